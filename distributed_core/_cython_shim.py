@@ -1,0 +1,11 @@
+"""The few names of the `cython` module that _core.pyx uses, for running without Cython."""
+import dataclasses  # noqa: F401  (used as cython.dataclasses)
+
+compiled = False
+
+
+def _identity(obj):
+    return obj
+
+
+cclass = cfunc = ccall = final = inline = _identity

@@ -1,0 +1,1 @@
+"""distributed-core's server shell: comms, the Scheduler server, Worker, Client, LocalCluster."""

@@ -1,0 +1,65 @@
+"""Build the distributed_core extension from its one .pyx source.
+
+DISTRIBUTED_CORE_PURE=1              build no extension (the interpreted fallback)
+DISTRIBUTED_CORE_REQUIRE_COMPILED=1  a failed compile fails the install instead of
+                                     silently installing the slow variant
+"""
+import os
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+
+def _flag(name):
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+PURE = _flag("DISTRIBUTED_CORE_PURE")
+REQUIRE = _flag("DISTRIBUTED_CORE_REQUIRE_COMPILED")
+
+if PURE and REQUIRE:
+    sys.exit("DISTRIBUTED_CORE_PURE and DISTRIBUTED_CORE_REQUIRE_COMPILED contradict each other")
+
+
+class OptionalBuildExt(build_ext):
+    """Turn a failed compile into a pure install, unless the compiled core is required."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:
+            self._fallback(exc)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self._fallback(exc)
+
+    def _fallback(self, exc):
+        if REQUIRE:
+            raise
+        print(f"WARNING: distributed_core extension not built ({exc}); "
+              "installing the interpreted core", file=sys.stderr)
+
+
+def _extensions():
+    if PURE:
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        if REQUIRE:
+            raise
+        print("WARNING: Cython is not installed; installing the interpreted core",
+              file=sys.stderr)
+        return []
+    return cythonize(
+        ["distributed_core/_core.pyx"],
+        compiler_directives={"language_level": 3, "boundscheck": False,
+                             "wraparound": False},
+    )
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})
