@@ -57,8 +57,7 @@ def _extensions():
         return []
     return cythonize(
         ["distributed_core/_core.pyx"],
-        compiler_directives={"language_level": 3, "boundscheck": False,
-                             "wraparound": False},
+        compiler_directives={"language_level": 3},
     )
 
 

@@ -8,4 +8,4 @@ def _identity(obj):
     return obj
 
 
-cclass = cfunc = ccall = final = inline = _identity
+cclass = cfunc = ccall = final = inline = no_gc = _identity

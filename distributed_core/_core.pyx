@@ -1,0 +1,1511 @@
+# cython: language_level=3
+"""The scheduler's state machine: which task is where, and where it goes next.
+
+Rules of this module (everything that decides a task's state lives in this file):
+
+- No I/O. No sockets, files, threads, logging, pickle, and no clock reads: the clock is
+  passed in. User code and data never appear here: a task's run spec and its error are
+  opaque bytes that arrive and leave unchanged.
+- Stimuli in, messages out. Each public stimulus (``update_graph``, ``task_finished``,
+  ``remove_worker``, ...) takes plain data and a stimulus id, changes the state only
+  through transitions, and returns ``(client_msgs, worker_msgs)``: dicts mapping a client
+  id / worker address to a list of msgpack-ready message dicts.
+- One table, one engine. ``_TRANSITIONS[start][finish]`` names the function for each
+  allowed move. A transition changes one task and may *recommend* states for others; the
+  engine applies recommendations until none are left. A move with no entry goes through
+  ``released``. Transitions that carry data from a stimulus (a result, scattered data)
+  are called directly by that stimulus.
+- Lean tasks. Collections a task needs only for part of its life are ``None`` until
+  needed and set back to ``None`` when done; tiny, rarely changing ones (who holds a
+  result, who wants it) are tuples; counters stand in for sets where only the count
+  matters (``n_waiting_on``, ``n_waiters``).
+- The same source runs compiled by Cython and imported as plain Python.
+"""
+from __future__ import annotations
+
+try:
+    import cython
+except ImportError:  # the pure-Python install runs without Cython
+    from . import _cython_shim as cython
+
+import heapq
+import math
+from collections import deque
+from typing import Optional
+
+COMPILED: bool = cython.compiled
+
+RELEASED = "released"
+WAITING = "waiting"
+QUEUED = "queued"
+NO_WORKER = "no-worker"
+PROCESSING = "processing"
+MEMORY = "memory"
+ERRED = "erred"
+FORGOTTEN = "forgotten"
+TASK_STATES = (RELEASED, WAITING, QUEUED, NO_WORKER, PROCESSING, MEMORY, ERRED, FORGOTTEN)
+# A task in one of these states needs the results of its dependencies.
+ACTIVE_STATES = frozenset((WAITING, QUEUED, NO_WORKER, PROCESSING))
+
+WORKER_RUNNING = "running"
+WORKER_CLOSED = "closed"
+
+_UNLIMITED_SLOTS = 2 ** 62
+_NO_DEPENDENCIES = ()
+
+
+class InvalidTransition(RuntimeError):
+    """A recommendation asked for a move that the transition table does not allow."""
+
+
+class InvariantError(AssertionError):
+    """Validation found the state inconsistent (only raised when ``validate`` is on)."""
+
+
+class GraphError(ValueError):
+    """A graph submitted by a client was refused; nothing was changed."""
+
+
+@cython.dataclasses.dataclass(init=False, repr=False, eq=False)
+@cython.final
+@cython.cclass
+class TaskPrefix:
+    """Tasks that share a key prefix (the function name): learned run durations."""
+
+    name: str
+    duration_average: cython.double  # seconds; negative while unknown
+    n_durations: cython.Py_ssize_t
+
+    if not cython.compiled:
+        __slots__ = tuple(__annotations__)
+
+    def __init__(self, name: str):
+        self.name = name
+        self.duration_average = -1.0
+        self.n_durations = 0
+
+    def add_duration(self, duration: cython.double) -> None:
+        """Fold one measured run time into the running average."""
+        if duration < 0:
+            return
+        self.n_durations += 1
+        if self.duration_average < 0:
+            self.duration_average = duration
+        else:
+            weight: cython.double = 1.0 / min(self.n_durations, 20)
+            self.duration_average += (duration - self.duration_average) * weight
+
+    def __repr__(self):
+        return f"<TaskPrefix {self.name!r} avg={self.duration_average:.3g}s>"
+
+
+@cython.dataclasses.dataclass(init=False, repr=False, eq=False)
+@cython.final
+@cython.cclass
+class ClientState:
+    """A connected client and the tasks whose results it wants."""
+
+    client_id: str
+    wants_what: set
+
+    if not cython.compiled:
+        __slots__ = tuple(__annotations__)
+
+    def __init__(self, client_id: str):
+        self.client_id = client_id
+        self.wants_what = set()
+
+    def __repr__(self):
+        return f"<ClientState {self.client_id!r} wants {len(self.wants_what)}>"
+
+
+@cython.dataclasses.dataclass(init=False, repr=False, eq=False)
+@cython.final
+@cython.cclass
+class WorkerState:
+    """A worker as the scheduler sees it: capacity, running tasks and held results."""
+
+    address: str
+    name: object
+    nthreads: cython.Py_ssize_t
+    slots: cython.Py_ssize_t  # tasks it may run at once before it counts as saturated
+    resources: Optional[dict]
+    processing: set
+    has_what: set
+    nbytes: cython.Py_ssize_t
+    occupancy: cython.double  # estimated seconds of work assigned and not yet finished
+    status: str
+
+    if not cython.compiled:
+        __slots__ = tuple(__annotations__)
+
+    def __init__(self, address: str, nthreads: cython.Py_ssize_t, name=None,
+                 resources: Optional[dict] = None):
+        self.address = address
+        self.name = address if name is None else name
+        self.nthreads = nthreads
+        self.slots = nthreads
+        self.resources = resources or None
+        self.processing = set()
+        self.has_what = set()
+        self.nbytes = 0
+        self.occupancy = 0.0
+        self.status = WORKER_RUNNING
+
+    def __repr__(self):
+        return (f"<WorkerState {self.address!r} processing={len(self.processing)} "
+                f"memory={len(self.has_what)}>")
+
+
+@cython.dataclasses.dataclass(init=False, repr=False, eq=False)
+@cython.final
+@cython.cclass
+class TaskState:
+    """One task: where it is in its life, what it needs, who needs it and who holds it."""
+
+    key: object
+    prefix: TaskPrefix
+    state: str
+    run_spec: object  # opaque bytes; None for data that was scattered, not computed
+    priority_user: cython.Py_ssize_t  # negated user priority: lower runs first
+    generation: cython.Py_ssize_t  # which update_graph brought it
+    order: cython.Py_ssize_t  # position in its graph's order
+    dependencies: tuple
+    dependents: Optional[set]
+    n_waiting_on: cython.Py_ssize_t  # while waiting: dependencies not yet in memory
+    n_waiters: cython.Py_ssize_t  # dependents in an active state (they need this result)
+    who_wants: Optional[tuple]  # ClientStates
+    who_has: Optional[tuple]  # WorkerStates holding the result
+    processing_on: Optional[WorkerState]
+    estimate: cython.double  # duration estimate while processing (kept for occupancy)
+    nbytes: cython.Py_ssize_t  # size of the result; -1 while unknown
+    type_name: Optional[str]
+    retries: cython.Py_ssize_t
+    suspicious: cython.Py_ssize_t  # workers that died while running it
+    worker_restrictions: Optional[frozenset]
+    resource_restrictions: Optional[dict]
+    loose_restrictions: cython.bint
+    annotations: Optional[dict]
+    error: Optional[tuple]  # (exception bytes, traceback bytes, text, key to blame)
+
+    if not cython.compiled:
+        __slots__ = tuple(__annotations__)
+
+    def __init__(self, key, prefix: TaskPrefix, run_spec):
+        self.key = key
+        self.prefix = prefix
+        self.state = RELEASED
+        self.run_spec = run_spec
+        self.priority_user = 0
+        self.generation = 0
+        self.order = 0
+        self.dependencies = _NO_DEPENDENCIES
+        self.dependents = None
+        self.n_waiting_on = 0
+        self.n_waiters = 0
+        self.who_wants = None
+        self.who_has = None
+        self.processing_on = None
+        self.estimate = 0.0
+        self.nbytes = -1
+        self.type_name = None
+        self.retries = 0
+        self.suspicious = 0
+        self.worker_restrictions = None
+        self.resource_restrictions = None
+        self.loose_restrictions = False
+        self.annotations = None
+        self.error = None
+
+    @property
+    def priority(self) -> tuple:
+        """The sort key: (negated user priority, generation, graph order); lower first."""
+        return (self.priority_user, self.generation, self.order)
+
+    def __repr__(self):
+        return f"<TaskState {self.key!r} {self.state}>"
+
+
+@cython.cfunc
+def _tuple_with(items: Optional[tuple], item) -> tuple:
+    if items is None:
+        return (item,)
+    return items + (item,)
+
+
+@cython.cfunc
+def _tuple_without(items: Optional[tuple], item) -> Optional[tuple]:
+    if items is None:
+        return None
+    rest = tuple([x for x in items if x is not item])
+    return rest if rest else None
+
+
+@cython.cfunc
+def _is_hash_token(part: str) -> cython.bint:
+    if part.isdigit():
+        return True
+    return len(part) >= 8 and not part.strip("0123456789abcdef")
+
+
+def key_prefix(key) -> str:
+    """The name shared by tasks of one kind: ``"inc-1f3a9c0d..."`` → ``"inc"``,
+    ``("sum-aggregate-9ab1c2d3e4", 0)`` → ``"sum-aggregate"``."""
+    if isinstance(key, tuple):
+        if not key:
+            return "tuple"
+        key = key[0]
+    if not isinstance(key, str):
+        return type(key).__name__
+    parts = key.split("-")
+    words = [p for p in parts if p and not _is_hash_token(p)]
+    return "-".join(words) if words else parts[0]
+
+
+_INT = (int,)
+_BYTES = (bytes, bytearray, memoryview)
+_SEQUENCE = (list, tuple)
+
+
+def _check_task_entry(i, entry) -> object:
+    """Check one task dict of ``update_graph``; return its key or raise GraphError."""
+    if type(entry) is not dict:
+        raise GraphError(f"task #{i} is not a dict: {type(entry).__name__}")
+    if "key" not in entry:
+        raise GraphError(f"task #{i} has no 'key'")
+    key = entry["key"]
+    try:
+        hash(key)
+    except TypeError:
+        raise GraphError(f"task #{i}: key {key!r} is not hashable") from None
+    return key
+
+
+def _check_new_task(key, entry) -> None:
+    """Check the fields of a task dict whose key the scheduler does not know yet."""
+    if not isinstance(entry.get("spec"), _BYTES):
+        raise GraphError(f"task {key!r} has no run spec (bytes)")
+    deps = entry.get("deps")
+    if deps is not None and not isinstance(deps, _SEQUENCE):
+        raise GraphError(f"task {key!r}: 'deps' must be a list of keys")
+    for field in ("priority", "order", "retries"):
+        value = entry.get(field)
+        if value is not None and (type(value) is not int):
+            raise GraphError(f"task {key!r}: {field!r} must be an int, not {value!r}")
+    if (entry.get("retries") or 0) < 0:
+        raise GraphError(f"task {key!r}: 'retries' must not be negative")
+    workers = entry.get("workers")
+    if workers is not None and (not isinstance(workers, _SEQUENCE)
+                                or not all(isinstance(w, str) for w in workers)):
+        raise GraphError(f"task {key!r}: 'workers' must be a list of addresses or names")
+    resources = entry.get("resources")
+    if resources is not None and (
+            not isinstance(resources, dict)
+            or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                       for k, v in resources.items())):
+        raise GraphError(f"task {key!r}: 'resources' must map names to quantities")
+    annotations = entry.get("annotations")
+    if annotations is not None and not isinstance(annotations, dict):
+        raise GraphError(f"task {key!r}: 'annotations' must be a dict")
+
+
+@cython.dataclasses.dataclass(init=False, repr=False, eq=False)
+@cython.final
+@cython.cclass
+class SchedulerState:
+    """All the scheduler knows: tasks, workers, clients; changed only by stimuli.
+
+    ``validate=True`` checks every invariant after each stimulus and the local
+    invariants of each task after each of its transitions. ``worker_saturation`` is how
+    many tasks per thread a worker is given before tasks without dependencies wait in
+    the scheduler's queue (``inf`` turns queuing off). ``clock`` is a callable returning
+    seconds; it stamps the transition log.
+    """
+
+    tasks: dict
+    workers: dict
+    clients: dict
+    prefixes: dict
+    idle: dict  # address -> WorkerState with free slots
+    queued: list  # heap of (priority_user, generation, order, seq, TaskState)
+    n_queued: cython.Py_ssize_t
+    unrunnable: dict  # TaskState -> None, in arrival order
+    validate: cython.bint
+    worker_saturation: cython.double
+    allowed_failures: cython.Py_ssize_t
+    default_duration: cython.double
+    clock: object
+    transition_log: object
+    transition_counter: cython.Py_ssize_t
+    generation: cython.Py_ssize_t
+    queue_seq: cython.Py_ssize_t
+    _recs: dict
+    _client_msgs: dict
+    _worker_msgs: dict
+    _stimulus_id: str
+    _now: object
+
+    if not cython.compiled:
+        __slots__ = tuple(__annotations__)
+
+    def __init__(self, *, validate: bool = False, worker_saturation: float = 1.1,
+                 allowed_failures: int = 3, default_duration: float = 0.5,
+                 transition_log_length: int = 100_000, clock=None):
+        if not worker_saturation > 0:
+            raise ValueError(f"worker_saturation must be positive, not {worker_saturation!r}")
+        self.tasks = {}
+        self.workers = {}
+        self.clients = {}
+        self.prefixes = {}
+        self.idle = {}
+        self.queued = []
+        self.n_queued = 0
+        self.unrunnable = {}
+        self.validate = validate
+        self.worker_saturation = worker_saturation
+        self.allowed_failures = allowed_failures
+        self.default_duration = default_duration
+        self.clock = clock if clock is not None else _zero_clock
+        self.transition_log = deque(maxlen=transition_log_length)
+        self.transition_counter = 0
+        self.generation = 0
+        self.queue_seq = 0
+        self._recs = {}
+        self._client_msgs = {}
+        self._worker_msgs = {}
+        self._stimulus_id = ""
+        self._now = 0.0
+
+    def __repr__(self):
+        return (f"<SchedulerState tasks={len(self.tasks)} workers={len(self.workers)} "
+                f"clients={len(self.clients)}>")
+
+    # ------------------------------------------------------------------ stimuli
+
+    def add_client(self, client: str, stimulus_id: str) -> tuple:
+        """A client connected."""
+        self._begin(stimulus_id)
+        self._client(client)
+        return self._end()
+
+    def remove_client(self, client: str, stimulus_id: str) -> tuple:
+        """A client left: release everything it wanted and forget it."""
+        self._begin(stimulus_id)
+        cs: ClientState = self.clients.get(client)
+        if cs is not None:
+            for ts in list(cs.wants_what):
+                self._drop_want(ts, cs)
+            del self.clients[client]
+        return self._end()
+
+    def add_worker(self, address: str, nthreads: int, stimulus_id: str, name=None,
+                   resources: Optional[dict] = None) -> tuple:
+        """A worker joined: give it queued and previously unrunnable tasks."""
+        if address in self.workers:
+            raise ValueError(f"worker {address!r} is already registered")
+        if nthreads < 1:
+            raise ValueError(f"nthreads must be at least 1, not {nthreads!r}")
+        self._begin(stimulus_id)
+        ws = WorkerState(address, nthreads, name, resources)
+        ws.slots = self._slots_for(nthreads)
+        self.workers[address] = ws
+        self.idle[address] = ws
+        ts: TaskState
+        for ts in self.unrunnable:
+            self._recs[ts] = PROCESSING
+        for _ in range(min(ws.slots, self.n_queued)):
+            if not self._pop_queued():
+                break
+        return self._end()
+
+    def remove_worker(self, address: str, stimulus_id: str) -> tuple:
+        """A worker left or died: reschedule its tasks, recompute results only it held."""
+        self._begin(stimulus_id)
+        ws: WorkerState = self.workers.pop(address, None)
+        if ws is None:
+            return self._end()
+        self.idle.pop(address, None)
+        ws.status = WORKER_CLOSED
+        ts: TaskState
+        for ts in sorted(ws.processing, key=_priority_of):
+            ts.suspicious += 1
+            if ts.suspicious >= self.allowed_failures:
+                ts.error = (None, None,
+                            f"KilledWorker: {ts.key!r} was running on {ts.suspicious} workers "
+                            f"that died, the last one {address}", ts.key)
+                self._recs[ts] = ERRED
+            else:
+                self._recs[ts] = WAITING
+        for ts in ws.has_what:
+            ts.who_has = _tuple_without(ts.who_has, ws)
+            if ts.who_has is None:
+                self._recs[ts] = RELEASED
+        ws.has_what = set()
+        ws.nbytes = 0
+        return self._end()
+
+    def update_graph(self, client: str, tasks: list, keys: list, stimulus_id: str) -> tuple:
+        """A client submits tasks and names the keys it wants.
+
+        Known keys are reused. A bad graph changes nothing: the client is sent one
+        ``graph-refused`` message saying why.
+        """
+        self._begin(stimulus_id)
+        cs: ClientState = self._client(client)
+        try:
+            new = self._check_graph(tasks, keys)
+        except GraphError as exc:
+            wanted = list(keys) if isinstance(keys, _SEQUENCE) else []
+            self._send_client(cs, {"op": "graph-refused", "error": str(exc), "keys": wanted})
+            return self._end()
+        created = self._create_tasks(new)
+        ts: TaskState
+        for key in keys:
+            ts = self.tasks[key]
+            self._add_want(ts, cs)
+        for ts in created:
+            if ts.dependents is None and ts.who_wants is None:
+                self._recs[ts] = FORGOTTEN
+        return self._end()
+
+    def update_data(self, client: str, who_has: dict, nbytes: dict, stimulus_id: str) -> tuple:
+        """A client placed data on workers itself (scatter): those keys are in memory."""
+        self._begin(stimulus_id)
+        cs: ClientState = self._client(client)
+        ts: TaskState
+        ws: WorkerState
+        lost = []
+        for key, addresses in who_has.items():
+            holders = [self.workers[a] for a in addresses if a in self.workers]
+            if not holders:
+                lost.append(key)
+                continue
+            ts = self.tasks.get(key)
+            if ts is None:
+                ts = TaskState(key, self._prefix_for(key), None)
+                self.tasks[key] = ts
+            elif ts.state != RELEASED and ts.state != MEMORY:
+                self._transition(ts, RELEASED)
+                self._recs.pop(ts, None)
+            self._add_want_quiet(ts, cs)
+            size = nbytes.get(key, 0)
+            if ts.state == RELEASED:
+                self._released_memory(ts, holders, size)
+            else:
+                for ws in holders:
+                    self._add_holder(ts, ws, size)
+        if lost:
+            self._send_client(cs, {"op": "cancelled-keys", "keys": lost})
+        return self._end()
+
+    def task_finished(self, worker: str, reports: list, stimulus_id: str) -> tuple:
+        """A worker finished tasks: each report is
+        ``{"key", "nbytes", "type", "start", "stop", "data"?}`` (data: a small result,
+        forwarded to the clients that want it, never kept)."""
+        parsed = [_parse_finished(r) for r in reports]
+        self._begin(stimulus_id)
+        ws: WorkerState = self.workers.get(worker)
+        if ws is None:
+            return self._end()  # a worker already removed: its results are gone
+        ts: TaskState
+        for key, nbytes, type_name, duration, data in parsed:
+            ts = self.tasks.get(key)
+            if ts is None:
+                self._free_key(ws, key)
+            elif ts.state == PROCESSING and ts.processing_on is ws:
+                self._processing_memory(ts, ws, nbytes, type_name, duration, data)
+            elif ts.state == MEMORY:
+                self._add_holder(ts, ws, nbytes)  # computed twice: keep the replica
+            else:
+                self._free_key(ws, key)  # a stale result: the task moved on
+        return self._end()
+
+    def task_erred(self, worker: str, reports: list, stimulus_id: str) -> tuple:
+        """Tasks raised on a worker: each report is
+        ``{"key", "exception", "traceback", "text"}`` (bytes, bytes, str)."""
+        parsed = [_parse_erred(r) for r in reports]
+        self._begin(stimulus_id)
+        ws: WorkerState = self.workers.get(worker)
+        if ws is None:
+            return self._end()
+        ts: TaskState
+        for key, exception, traceback, text in parsed:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != PROCESSING or ts.processing_on is not ws:
+                continue
+            if ts.retries > 0:
+                ts.retries -= 1
+                self._recs[ts] = WAITING
+            else:
+                ts.error = (exception, traceback, text, ts.key)
+                self._recs[ts] = ERRED
+        return self._end()
+
+    def client_releases_keys(self, client: str, keys, stimulus_id: str) -> tuple:
+        """A client no longer wants these keys (its futures were released)."""
+        self._begin(stimulus_id)
+        cs: ClientState = self.clients.get(client)
+        ts: TaskState
+        if cs is not None:
+            for key in keys:
+                ts = self.tasks.get(key)
+                if ts is not None:
+                    self._drop_want(ts, cs)
+        return self._end()
+
+    def client_desires_keys(self, client: str, keys, stimulus_id: str) -> tuple:
+        """A client wants keys that already exist (e.g. a future it was handed)."""
+        self._begin(stimulus_id)
+        cs: ClientState = self._client(client)
+        ts: TaskState
+        gone = []
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None:
+                gone.append(key)
+            else:
+                self._add_want(ts, cs)
+        if gone:
+            self._send_client(cs, {"op": "cancelled-keys", "keys": gone})
+        return self._end()
+
+    def cancel(self, client: str, keys, stimulus_id: str, force: bool = False) -> tuple:
+        """Stop wanting keys; with ``force`` for every client that wants them."""
+        self._begin(stimulus_id)
+        cs: ClientState = self._client(client)
+        ts: TaskState
+        other: ClientState
+        told = {}
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None:
+                told.setdefault(cs, []).append(key)
+                continue
+            if force and ts.who_wants is not None:
+                wanting = list(ts.who_wants)
+            else:
+                wanting = [cs]
+            for other in wanting:
+                told.setdefault(other, []).append(key)
+                self._drop_want(ts, other)
+        for other, cancelled in told.items():
+            self._send_client(other, {"op": "cancelled-keys", "keys": cancelled})
+        return self._end()
+
+    def retry(self, client: str, keys, stimulus_id: str) -> tuple:
+        """Run erred tasks again, with the erred tasks they depend on."""
+        self._begin(stimulus_id)
+        ts: TaskState
+        dep: TaskState
+        stack = [self.tasks[k] for k in keys if k in self.tasks]
+        roots = list(stack)
+        while stack:
+            ts = stack.pop()
+            if ts.state != ERRED:
+                continue
+            self._transition(ts, RELEASED)
+            for dep in ts.dependencies:
+                stack.append(dep)
+        for ts in roots:
+            if ts.state == RELEASED:
+                self._recs[ts] = WAITING
+        return self._end()
+
+    def missing_data(self, worker: str, key, errant_worker: str, stimulus_id: str) -> tuple:
+        """``worker`` could not fetch ``key`` from ``errant_worker``."""
+        self._begin(stimulus_id)
+        ts: TaskState = self.tasks.get(key)
+        ws: WorkerState = self.workers.get(errant_worker)
+        if ts is not None and ts.state == MEMORY and ws is not None \
+                and ts.who_has is not None and ws in ts.who_has:
+            self._remove_holder(ts, ws)
+            if ts.who_has is None:
+                self._recs[ts] = RELEASED
+        return self._end()
+
+    def reschedule(self, worker: str, key, stimulus_id: str) -> tuple:
+        """A worker gives a task back (e.g. it could not fetch a dependency)."""
+        self._begin(stimulus_id)
+        ts: TaskState = self.tasks.get(key)
+        if ts is not None and ts.state == PROCESSING and ts.processing_on is not None \
+                and ts.processing_on.address == worker:
+            self._recs[ts] = WAITING
+        return self._end()
+
+    # ------------------------------------------------------------------ queries
+
+    def who_has(self, keys) -> dict:
+        """``{key: [worker address, ...]}`` for the given keys that are in memory."""
+        out = {}
+        ts: TaskState
+        ws: WorkerState
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.who_has is not None:
+                out[key] = [ws.address for ws in ts.who_has]
+        return out
+
+    def story(self, *keys) -> list:
+        """The logged transitions of these keys: ``(key, start, finish, stimulus_id, time)``."""
+        wanted = set(keys)
+        return [entry for entry in self.transition_log if entry[0] in wanted]
+
+    def task_counts(self) -> dict:
+        """How many tasks are in each state."""
+        counts = dict.fromkeys(TASK_STATES[:-1], 0)
+        ts: TaskState
+        for ts in self.tasks.values():
+            counts[ts.state] += 1
+        return counts
+
+    # ------------------------------------------------------------------ engine
+
+    @cython.cfunc
+    def _begin(self, stimulus_id: str) -> None:
+        self._stimulus_id = stimulus_id
+        self._now = self.clock()
+        self._recs = {}
+        self._client_msgs = {}
+        self._worker_msgs = {}
+
+    @cython.cfunc
+    def _end(self) -> tuple:
+        recs = self._recs
+        ts: TaskState
+        while recs:
+            ts, finish = recs.popitem()
+            self._transition(ts, finish)
+        result = (self._client_msgs, self._worker_msgs)
+        self._client_msgs = {}
+        self._worker_msgs = {}
+        if self.validate:
+            self.validate_state()
+        return result
+
+    @cython.cfunc
+    def _transition(self, ts: TaskState, finish: str) -> None:
+        start: str = ts.state
+        if start == finish or start == FORGOTTEN:
+            return
+        row: dict = _TRANSITIONS[start]
+        func = row.get(finish)
+        if func is not None:
+            func(self, ts)
+            self._log(ts, start)
+        else:
+            to_released = row.get(RELEASED)
+            from_released = _TRANSITIONS[RELEASED].get(finish)
+            if to_released is None or from_released is None:
+                raise InvalidTransition(f"{ts.key!r}: no transition {start} -> {finish}")
+            to_released(self, ts)
+            self._log(ts, start)
+            if ts.state == RELEASED:
+                from_released(self, ts)
+                self._log(ts, RELEASED)
+        if self.validate:
+            self._validate_task(ts)
+
+    @cython.cfunc
+    def _log(self, ts: TaskState, start: str) -> None:
+        if ts.state != start:
+            self.transition_counter += 1
+            self.transition_log.append((ts.key, start, ts.state, self._stimulus_id, self._now))
+
+    # ------------------------------------------------------------------ transitions
+
+    def _transition_released_waiting(self, ts: TaskState) -> None:
+        dep: TaskState
+        if ts.run_spec is None:
+            ts.error = (None, None, f"lost data: {ts.key!r} was scattered and every "
+                                    "worker that held it is gone", ts.key)
+            self._recs[ts] = ERRED
+            return
+        n: cython.Py_ssize_t = 0
+        for dep in ts.dependencies:
+            if dep.state == ERRED:
+                ts.error = dep.error
+                self._recs[ts] = ERRED
+                return
+            if dep.state != MEMORY:
+                n += 1
+        for dep in ts.dependencies:
+            if dep.state == RELEASED:
+                self._recs[dep] = WAITING
+        ts.state = WAITING
+        ts.n_waiting_on = n
+        self._enter_active(ts)
+        if n == 0:
+            self._recs[ts] = PROCESSING
+
+    def _transition_waiting_processing(self, ts: TaskState) -> None:
+        ws: WorkerState = self._decide_worker(ts)
+        if ws is None:
+            self._recs[ts] = QUEUED if self._queue_eligible(ts) else NO_WORKER
+            return
+        self._assign(ts, ws)
+
+    def _transition_waiting_queued(self, ts: TaskState) -> None:
+        self.n_queued += 1
+        self._push_queued(ts)
+        ts.state = QUEUED
+
+    def _transition_waiting_no_worker(self, ts: TaskState) -> None:
+        self.unrunnable[ts] = None
+        ts.state = NO_WORKER
+
+    def _transition_queued_processing(self, ts: TaskState) -> None:
+        ws: WorkerState = self._decide_worker(ts)
+        if ws is None:
+            self._push_queued(ts)  # popped for a slot that is taken by now
+            return
+        self.n_queued -= 1
+        self._assign(ts, ws)
+
+    def _transition_no_worker_processing(self, ts: TaskState) -> None:
+        ws: WorkerState = self._decide_worker(ts)
+        if ws is None:
+            return
+        del self.unrunnable[ts]
+        self._assign(ts, ws)
+
+    def _transition_waiting_released(self, ts: TaskState) -> None:
+        ts.n_waiting_on = 0
+        self._deactivate(ts)
+
+    def _transition_queued_released(self, ts: TaskState) -> None:
+        self.n_queued -= 1
+        if len(self.queued) > 2 * self.n_queued + 64:
+            self._compact_queue()
+        self._deactivate(ts)
+
+    def _transition_no_worker_released(self, ts: TaskState) -> None:
+        del self.unrunnable[ts]
+        self._deactivate(ts)
+
+    def _transition_processing_released(self, ts: TaskState) -> None:
+        ws: WorkerState = ts.processing_on
+        self._unassign(ts)
+        self._free_key(ws, ts.key)
+        self._deactivate(ts)
+
+    def _transition_processing_erred(self, ts: TaskState) -> None:
+        self._unassign(ts)
+        ts.state = ERRED
+        self._leave_active(ts)
+        self._announce_error(ts)
+
+    def _transition_waiting_erred(self, ts: TaskState) -> None:
+        ts.n_waiting_on = 0
+        ts.state = ERRED
+        self._leave_active(ts)
+        self._announce_error(ts)
+
+    def _transition_released_erred(self, ts: TaskState) -> None:
+        ts.state = ERRED
+        self._announce_error(ts)
+
+    def _transition_erred_released(self, ts: TaskState) -> None:
+        ts.error = None
+        ts.state = RELEASED
+        self._after_release(ts)
+
+    def _transition_memory_released(self, ts: TaskState) -> None:
+        ws: WorkerState
+        dts: TaskState
+        if ts.who_has is not None:
+            for ws in ts.who_has:
+                ws.has_what.discard(ts)
+                ws.nbytes -= ts.nbytes
+                self._free_key(ws, ts.key)
+            ts.who_has = None
+        ts.state = RELEASED
+        if ts.dependents is not None:
+            for dts in ts.dependents:
+                if dts.state == WAITING:
+                    dts.n_waiting_on += 1
+                elif dts.state == PROCESSING or dts.state == NO_WORKER:
+                    self._recs[dts] = WAITING  # its input is gone: start it over
+        self._after_release(ts)
+
+    def _transition_released_forgotten(self, ts: TaskState) -> None:
+        dep: TaskState
+        if ts.who_wants is not None or ts.dependents is not None or ts.n_waiters:
+            return  # needed again since this was recommended
+        for dep in ts.dependencies:
+            dep.dependents.discard(ts)
+            if not dep.dependents:
+                dep.dependents = None
+                if dep.who_wants is None and (dep.state == RELEASED or dep.state == ERRED
+                                              or dep.state == MEMORY):
+                    self._recs[dep] = FORGOTTEN
+        ts.dependencies = _NO_DEPENDENCIES
+        ts.run_spec = None
+        ts.error = None
+        ts.state = FORGOTTEN
+        del self.tasks[ts.key]
+
+    # ------------------------------------------------------------------ direct transitions
+
+    @cython.cfunc
+    def _processing_memory(self, ts: TaskState, ws: WorkerState, nbytes: cython.Py_ssize_t,
+                           type_name, duration: cython.double, data) -> None:
+        dts: TaskState
+        cs: ClientState
+        self._unassign(ts)
+        ts.prefix.add_duration(duration)
+        ts.type_name = type_name
+        ts.state = MEMORY
+        self._add_holder(ts, ws, nbytes)
+        self._log(ts, PROCESSING)
+        self._leave_active(ts)
+        self._dependents_gain_input(ts)
+        if ts.who_wants is not None:
+            msg = {"op": "key-in-memory", "key": ts.key, "type": type_name}
+            if data is not None:
+                msg["data"] = data
+            for cs in ts.who_wants:
+                self._send_client(cs, msg)
+        elif ts.n_waiters == 0:
+            self._recs[ts] = RELEASED  # nobody needs it any more
+        if self.validate:
+            self._validate_task(ts)
+
+    @cython.cfunc
+    def _released_memory(self, ts: TaskState, holders: list, nbytes: cython.Py_ssize_t) -> None:
+        ws: WorkerState
+        cs: ClientState
+        ts.state = MEMORY
+        for ws in holders:
+            self._add_holder(ts, ws, nbytes)
+        self._log(ts, RELEASED)
+        self._dependents_gain_input(ts)
+        if ts.who_wants is not None:
+            for cs in ts.who_wants:
+                self._send_client(cs, {"op": "key-in-memory", "key": ts.key,
+                                       "type": ts.type_name})
+
+    # ------------------------------------------------------------------ helpers
+
+    @cython.cfunc
+    def _client(self, client: str) -> ClientState:
+        cs: ClientState = self.clients.get(client)
+        if cs is None:
+            cs = ClientState(client)
+            self.clients[client] = cs
+        return cs
+
+    @cython.cfunc
+    def _prefix_for(self, key) -> TaskPrefix:
+        name = key_prefix(key)
+        prefix: TaskPrefix = self.prefixes.get(name)
+        if prefix is None:
+            prefix = TaskPrefix(name)
+            self.prefixes[name] = prefix
+        return prefix
+
+    @cython.cfunc
+    def _slots_for(self, nthreads: cython.Py_ssize_t) -> cython.Py_ssize_t:
+        if math.isinf(self.worker_saturation):
+            return _UNLIMITED_SLOTS
+        return max(1, math.ceil(nthreads * self.worker_saturation))
+
+    @cython.cfunc
+    def _send_client(self, cs: ClientState, msg: dict) -> None:
+        msgs = self._client_msgs.get(cs.client_id)
+        if msgs is None:
+            self._client_msgs[cs.client_id] = [msg]
+        else:
+            msgs.append(msg)
+
+    @cython.cfunc
+    def _send_worker(self, ws: WorkerState, msg: dict) -> None:
+        if ws.status != WORKER_RUNNING:
+            return
+        msgs = self._worker_msgs.get(ws.address)
+        if msgs is None:
+            self._worker_msgs[ws.address] = [msg]
+        else:
+            msgs.append(msg)
+
+    @cython.cfunc
+    def _free_key(self, ws: WorkerState, key) -> None:
+        """Tell a worker to drop a key; consecutive ones share one message, in order."""
+        if ws.status != WORKER_RUNNING:
+            return
+        msgs = self._worker_msgs.get(ws.address)
+        if msgs is not None and msgs[-1]["op"] == "free-keys":
+            msgs[-1]["keys"].append(key)
+        else:
+            self._send_worker(ws, {"op": "free-keys", "keys": [key],
+                                   "stimulus_id": self._stimulus_id})
+
+    @cython.cfunc
+    def _add_want(self, ts: TaskState, cs: ClientState) -> None:
+        """The client wants ``ts``: tell it at once if the answer is known, else run it."""
+        self._add_want_quiet(ts, cs)
+        if ts.state == MEMORY:
+            self._send_client(cs, {"op": "key-in-memory", "key": ts.key,
+                                   "type": ts.type_name})
+        elif ts.state == ERRED:
+            self._send_client(cs, self._error_msg(ts))
+        elif ts.state == RELEASED:
+            self._recs[ts] = WAITING
+
+    @cython.cfunc
+    def _add_want_quiet(self, ts: TaskState, cs: ClientState) -> None:
+        if ts.who_wants is None or cs not in ts.who_wants:
+            ts.who_wants = _tuple_with(ts.who_wants, cs)
+            cs.wants_what.add(ts)
+
+    @cython.cfunc
+    def _drop_want(self, ts: TaskState, cs: ClientState) -> None:
+        if ts.who_wants is None or cs not in ts.who_wants:
+            return
+        ts.who_wants = _tuple_without(ts.who_wants, cs)
+        cs.wants_what.discard(ts)
+        if ts.who_wants is None and ts.n_waiters == 0:
+            if ts.state == RELEASED:
+                if ts.dependents is None:
+                    self._recs[ts] = FORGOTTEN
+            else:
+                self._recs[ts] = RELEASED if ts.dependents is not None else FORGOTTEN
+
+    @cython.cfunc
+    def _add_holder(self, ts: TaskState, ws: WorkerState, nbytes: cython.Py_ssize_t) -> None:
+        if ts.who_has is not None and ws in ts.who_has:
+            return
+        ts.who_has = _tuple_with(ts.who_has, ws)
+        ts.nbytes = nbytes
+        ws.has_what.add(ts)
+        ws.nbytes += nbytes
+
+    @cython.cfunc
+    def _remove_holder(self, ts: TaskState, ws: WorkerState) -> None:
+        ts.who_has = _tuple_without(ts.who_has, ws)
+        ws.has_what.discard(ts)
+        ws.nbytes -= ts.nbytes
+
+    @cython.cfunc
+    def _enter_active(self, ts: TaskState) -> None:
+        dep: TaskState
+        for dep in ts.dependencies:
+            dep.n_waiters += 1
+
+    @cython.cfunc
+    def _leave_active(self, ts: TaskState) -> None:
+        """``ts`` no longer needs its inputs: release inputs nobody else needs."""
+        dep: TaskState
+        for dep in ts.dependencies:
+            dep.n_waiters -= 1
+            if dep.n_waiters == 0 and dep.who_wants is None and dep.state != RELEASED \
+                    and dep.state != ERRED:
+                self._recs[dep] = RELEASED
+
+    @cython.cfunc
+    def _deactivate(self, ts: TaskState) -> None:
+        ts.state = RELEASED
+        self._leave_active(ts)
+        self._after_release(ts)
+
+    @cython.cfunc
+    def _after_release(self, ts: TaskState) -> None:
+        """A task just became released: run it again if needed, forget it if unused."""
+        if ts.who_wants is not None or ts.n_waiters > 0:
+            self._recs[ts] = WAITING
+        elif ts.dependents is None:
+            self._recs[ts] = FORGOTTEN
+
+    @cython.cfunc
+    def _dependents_gain_input(self, ts: TaskState) -> None:
+        dts: TaskState
+        if ts.dependents is None:
+            return
+        for dts in ts.dependents:
+            if dts.state == WAITING:
+                dts.n_waiting_on -= 1
+                if dts.n_waiting_on == 0:
+                    self._recs[dts] = PROCESSING
+
+    @cython.cfunc
+    def _error_msg(self, ts: TaskState) -> dict:
+        exception, traceback, text, blame = ts.error
+        return {"op": "task-erred", "key": ts.key, "exception": exception,
+                "traceback": traceback, "text": text, "blame": blame}
+
+    @cython.cfunc
+    def _announce_error(self, ts: TaskState) -> None:
+        """Tell the clients, err the dependents that were waiting for this result."""
+        dts: TaskState
+        cs: ClientState
+        if ts.who_wants is not None:
+            msg = self._error_msg(ts)
+            for cs in ts.who_wants:
+                self._send_client(cs, msg)
+        if ts.dependents is not None:
+            for dts in ts.dependents:
+                if dts.state == WAITING or dts.state == RELEASED and dts.who_wants is not None:
+                    dts.error = ts.error
+                    self._recs[dts] = ERRED
+        if ts.who_wants is None and ts.dependents is None and ts.n_waiters == 0:
+            self._recs[ts] = FORGOTTEN
+
+    # ------------------------------------------------------------------ placement
+
+    @cython.cfunc
+    def _queue_eligible(self, ts: TaskState) -> cython.bint:
+        return (not ts.dependencies and ts.worker_restrictions is None
+                and ts.resource_restrictions is None
+                and not math.isinf(self.worker_saturation))
+
+    @cython.cfunc
+    def _worker_fits(self, ws: WorkerState, ts: TaskState, strict: cython.bint) -> cython.bint:
+        if strict and ts.worker_restrictions is not None \
+                and ws.address not in ts.worker_restrictions \
+                and ws.name not in ts.worker_restrictions:
+            return False
+        if ts.resource_restrictions is not None:
+            if ws.resources is None:
+                return False
+            for name, quantity in ts.resource_restrictions.items():
+                if ws.resources.get(name, 0) < quantity:
+                    return False
+        return True
+
+    @cython.cfunc
+    def _decide_worker(self, ts: TaskState) -> WorkerState:
+        """The worker to run ``ts`` now, or None.
+
+        Tasks with inputs go to the valid worker holding most of their input bytes,
+        ties broken by estimated occupancy per thread. Tasks without inputs go to the
+        least busy worker with a free slot (any valid worker when restricted).
+        """
+        ws: WorkerState
+        best: WorkerState = None
+        dep: TaskState
+        restricted: cython.bint = (ts.worker_restrictions is not None
+                                   or ts.resource_restrictions is not None)
+        if ts.dependencies:
+            local = {}
+            for dep in ts.dependencies:
+                if dep.who_has is not None:
+                    for ws in dep.who_has:
+                        local[ws] = local.get(ws, 0) + max(dep.nbytes, 0)
+            best = self._best_by_bytes(ts, local, True)
+            if best is None:
+                best = self._best_by_bytes(ts, local, False)
+            return best
+        if not restricted:
+            return self._least_busy(self.idle.values(), ts, True)
+        best = self._least_busy(self.workers.values(), ts, True)
+        if best is None and ts.loose_restrictions:
+            best = self._least_busy(self.workers.values(), ts, False)
+        return best
+
+    @cython.cfunc
+    def _best_by_bytes(self, ts: TaskState, local: dict, holders_only: cython.bint) \
+            -> WorkerState:
+        ws: WorkerState
+        best: WorkerState = None
+        best_bytes: cython.Py_ssize_t = -1
+        best_load: cython.double = 0.0
+        candidates = local if holders_only else self.workers.values()
+        for strict in (True, False):
+            for ws in candidates:
+                if ws.status != WORKER_RUNNING or not self._worker_fits(ws, ts, strict):
+                    continue
+                nbytes: cython.Py_ssize_t = local.get(ws, 0)
+                load: cython.double = ws.occupancy / ws.nthreads
+                if nbytes > best_bytes or (nbytes == best_bytes and load < best_load):
+                    best, best_bytes, best_load = ws, nbytes, load
+            if best is not None or not ts.loose_restrictions:
+                break
+        return best
+
+    @cython.cfunc
+    def _least_busy(self, candidates, ts: TaskState, strict: cython.bint) -> WorkerState:
+        ws: WorkerState
+        best: WorkerState = None
+        best_load: cython.double = 0.0
+        for ws in candidates:
+            if not self._worker_fits(ws, ts, strict):
+                continue
+            load: cython.double = (len(ws.processing) + ws.occupancy) / ws.nthreads
+            if best is None or load < best_load:
+                best, best_load = ws, load
+        return best
+
+    @cython.cfunc
+    def _estimate(self, ts: TaskState) -> cython.double:
+        average: cython.double = ts.prefix.duration_average
+        return average if average >= 0 else self.default_duration
+
+    @cython.cfunc
+    def _assign(self, ts: TaskState, ws: WorkerState) -> None:
+        dep: TaskState
+        dws: WorkerState
+        ts.processing_on = ws
+        ts.estimate = self._estimate(ts)
+        ws.processing.add(ts)
+        ws.occupancy += ts.estimate
+        if len(ws.processing) >= ws.slots:
+            self.idle.pop(ws.address, None)
+        ts.state = PROCESSING
+        msg = {"op": "compute-task", "key": ts.key, "spec": ts.run_spec,
+               "priority": (ts.priority_user, ts.generation, ts.order),
+               "stimulus_id": self._stimulus_id}
+        if ts.dependencies:
+            msg["who_has"] = {dep.key: [dws.address for dws in dep.who_has]
+                              for dep in ts.dependencies}
+        if ts.resource_restrictions is not None:
+            msg["resources"] = ts.resource_restrictions
+        self._send_worker(ws, msg)
+
+    @cython.cfunc
+    def _unassign(self, ts: TaskState) -> None:
+        """Take a processing task off its worker; a freed slot takes a queued task."""
+        ws: WorkerState = ts.processing_on
+        ws.processing.discard(ts)
+        ws.occupancy = ws.occupancy - ts.estimate if ws.processing else 0.0
+        ts.processing_on = None
+        ts.estimate = 0.0
+        if ws.status == WORKER_RUNNING and len(ws.processing) < ws.slots \
+                and ws.address not in self.idle:
+            self.idle[ws.address] = ws
+        if self.n_queued > 0 and ws.status == WORKER_RUNNING \
+                and len(ws.processing) < ws.slots:
+            self._pop_queued()
+
+    @cython.cfunc
+    def _push_queued(self, ts: TaskState) -> None:
+        self.queue_seq += 1
+        heapq.heappush(self.queued, (ts.priority_user, ts.generation, ts.order,
+                                     self.queue_seq, ts))
+
+    @cython.cfunc
+    def _pop_queued(self) -> cython.bint:
+        """Recommend the most urgent queued task for processing."""
+        ts: TaskState
+        while self.queued:
+            ts = heapq.heappop(self.queued)[4]
+            if ts.state == QUEUED and ts not in self._recs:
+                self._recs[ts] = PROCESSING
+                return True
+        return False
+
+    @cython.cfunc
+    def _compact_queue(self) -> None:
+        """Drop heap entries of tasks that left the queue."""
+        ts: TaskState
+        seen = set()
+        entries = []
+        for entry in self.queued:
+            ts = entry[4]
+            if ts.state == QUEUED and ts not in seen:
+                seen.add(ts)
+                entries.append(entry)
+        heapq.heapify(entries)
+        self.queued = entries
+
+    # ------------------------------------------------------------------ graph intake
+
+    @cython.cfunc
+    def _check_graph(self, tasks, keys) -> list:
+        """Check a submitted graph whole; return its new entries, dependencies first."""
+        if not isinstance(tasks, _SEQUENCE):
+            raise GraphError("'tasks' must be a list of task dicts")
+        if not isinstance(keys, _SEQUENCE):
+            raise GraphError("'keys' must be a list of keys")
+        known = self.tasks
+        position = {}
+        entries = []
+        i: cython.Py_ssize_t
+        for i, entry in enumerate(tasks):
+            key = _check_task_entry(i, entry)
+            if key in known:
+                continue
+            if key in position:
+                raise GraphError(f"key {key!r} appears twice in the graph")
+            _check_new_task(key, entry)
+            position[key] = len(entries)
+            entries.append(entry)
+        in_order: cython.bint = True
+        for i, entry in enumerate(entries):
+            deps = entry.get("deps")
+            if not deps:
+                continue
+            for dep in deps:
+                if dep in known:
+                    continue
+                j = position.get(dep)
+                if j is None:
+                    raise GraphError(f"task {entry['key']!r} depends on unknown key {dep!r}")
+                if j >= i:
+                    in_order = False
+        for key in keys:
+            if key not in known and key not in position:
+                raise GraphError(f"wanted key {key!r} is not in the graph")
+        return entries if in_order else _topological(entries, position, known)
+
+    @cython.cfunc
+    def _create_tasks(self, entries: list) -> list:
+        ts: TaskState
+        dep: TaskState
+        generation: cython.Py_ssize_t = self.generation
+        self.generation += 1
+        tasks = self.tasks
+        created = []
+        i: cython.Py_ssize_t
+        for i, entry in enumerate(entries):
+            key = entry["key"]
+            spec = entry["spec"]
+            ts = TaskState(key, self._prefix_for(key),
+                           spec if type(spec) is bytes else bytes(spec))
+            ts.generation = generation
+            ts.priority_user = -(entry.get("priority") or 0)
+            order = entry.get("order")
+            ts.order = i if order is None else order
+            ts.retries = entry.get("retries") or 0
+            deps = entry.get("deps")
+            if deps:
+                if len(deps) > 1:
+                    deps = dict.fromkeys(deps)
+                ts.dependencies = tuple([tasks[d] for d in deps])
+                for dep in ts.dependencies:
+                    if dep.dependents is None:
+                        dep.dependents = {ts}
+                    else:
+                        dep.dependents.add(ts)
+            workers = entry.get("workers")
+            if workers:
+                ts.worker_restrictions = frozenset(workers)
+                ts.loose_restrictions = bool(entry.get("allow_other_workers", False))
+            resources = entry.get("resources")
+            if resources:
+                ts.resource_restrictions = dict(resources)
+            annotations = entry.get("annotations")
+            if annotations:
+                ts.annotations = annotations
+            tasks[key] = ts
+            created.append(ts)
+        return created
+
+    # ------------------------------------------------------------------ validation
+
+    def validate_state(self) -> None:
+        """Check every invariant of the whole state; raise InvariantError if one fails."""
+        ts: TaskState
+        ws: WorkerState
+        cs: ClientState
+        for key, ts in self.tasks.items():
+            _check(ts.key == key, f"{key!r} is stored as {ts.key!r}")
+            self._validate_task(ts)
+            self._validate_settled(ts)
+        n_queued = 0
+        for ts in self.tasks.values():
+            if ts.state == QUEUED:
+                n_queued += 1
+        _check(n_queued == self.n_queued, f"{self.n_queued} counted queued, {n_queued} are")
+        queued_in_heap = {entry[4] for entry in self.queued if entry[4].state == QUEUED}
+        _check(len(queued_in_heap) == n_queued, "a queued task is missing from the queue")
+        if n_queued:
+            _check(not self.idle, f"tasks are queued while workers are idle: {self.idle}")
+        for ts in self.unrunnable:
+            _check(ts.state == NO_WORKER, f"{ts} is unrunnable")
+            _check(self._decide_worker(ts) is None, f"{ts} is unrunnable but fits a worker")
+        for address, ws in self.workers.items():
+            _check(ws.address == address and ws.status == WORKER_RUNNING, f"{ws} registered")
+            for ts in ws.processing:
+                _check(ts.state == PROCESSING and ts.processing_on is ws,
+                       f"{ts} listed as processing on {ws}")
+            for ts in ws.has_what:
+                _check(ts.state == MEMORY and ws in ts.who_has, f"{ts} listed in {ws}")
+            nbytes = sum([ts.nbytes for ts in ws.has_what])
+            _check(ws.nbytes == nbytes, f"{ws} holds {nbytes} bytes, counted {ws.nbytes}")
+            occupancy = sum([ts.estimate for ts in ws.processing])
+            _check(abs(ws.occupancy - occupancy) < 1e-6 * (1 + occupancy),
+                   f"{ws} occupancy {ws.occupancy} != {occupancy}")
+            _check((address in self.idle) == (len(ws.processing) < ws.slots),
+                   f"{ws} idle status is wrong")
+        for address in self.idle:
+            _check(address in self.workers, f"idle worker {address} is not registered")
+        for client, cs in self.clients.items():
+            for ts in cs.wants_what:
+                _check(ts.who_wants is not None and cs in ts.who_wants,
+                       f"{cs} wants {ts} but is not in its who_wants")
+
+    @cython.cfunc
+    def _validate_settled(self, ts: TaskState) -> None:
+        """Between stimuli nothing is stuck and nothing is kept that nobody needs."""
+        needed: cython.bint = ts.who_wants is not None or ts.n_waiters > 0
+        if ts.state == RELEASED:
+            _check(not needed, f"{ts} is needed but not running")
+            _check(ts.dependents is not None, f"{ts} is kept but nothing refers to it")
+        elif ts.state == ERRED:
+            _check(ts.who_wants is not None or ts.dependents is not None,
+                   f"{ts} is kept but nothing refers to it")
+        else:
+            _check(needed, f"{ts} is {ts.state} but nobody needs it")
+        if ts.state == WAITING:
+            _check(ts.n_waiting_on > 0, f"{ts} is waiting on nothing")
+
+    @cython.cfunc
+    def _validate_task(self, ts: TaskState) -> None:
+        dep: TaskState
+        dts: TaskState
+        ws: WorkerState
+        cs: ClientState
+        state = ts.state
+        if state == FORGOTTEN:
+            _check(ts.key not in self.tasks or self.tasks[ts.key] is not ts,
+                   f"{ts} is forgotten but still stored")
+            return
+        _check(self.tasks.get(ts.key) is ts, f"{ts} is not stored under its key")
+        for dep in ts.dependencies:
+            _check(dep.state != FORGOTTEN, f"{ts} depends on forgotten {dep}")
+            _check(dep.dependents is not None and ts in dep.dependents,
+                   f"{ts} missing from the dependents of {dep}")
+        if ts.dependents is not None:
+            _check(len(ts.dependents) > 0, f"{ts} has an empty dependents set")
+            n_active = 0
+            for dts in ts.dependents:
+                _check(ts in dts.dependencies, f"{dts} is a dependent of {ts} but not inverse")
+                if dts.state in ACTIVE_STATES:
+                    n_active += 1
+            _check(ts.n_waiters == n_active,
+                   f"{ts} counts {ts.n_waiters} waiters, {n_active} dependents are active")
+        else:
+            _check(ts.n_waiters == 0, f"{ts} has waiters but no dependents")
+        if ts.who_wants is not None:
+            _check(len(ts.who_wants) > 0, f"{ts} has an empty who_wants")
+            for cs in ts.who_wants:
+                _check(ts in cs.wants_what, f"{ts} wanted by {cs}, not in its wants_what")
+        if state == WAITING:
+            n = len([dep for dep in ts.dependencies if dep.state != MEMORY])
+            _check(ts.n_waiting_on == n, f"{ts} waits on {ts.n_waiting_on}, {n} are missing")
+            _check(all([dep.state != ERRED for dep in ts.dependencies]),
+                   f"{ts} waits on an erred dependency")
+        if state == PROCESSING:
+            ws = ts.processing_on
+            _check(ws is not None and ts in ws.processing, f"{ts} not on its worker")
+            _check(all([dep.state == MEMORY for dep in ts.dependencies]),
+                   f"{ts} is processing without all its inputs")
+        else:
+            _check(ts.processing_on is None, f"{ts} has processing_on {ts.processing_on}")
+        if state == MEMORY:
+            _check(ts.who_has is not None, f"{ts} is in memory nowhere")
+            for ws in ts.who_has:
+                _check(ts in ws.has_what, f"{ts} not in has_what of {ws}")
+        else:
+            _check(ts.who_has is None, f"{ts} has holders while {state}")
+        if state == QUEUED:
+            _check(not ts.dependencies, f"{ts} is queued but has dependencies")
+        if state == NO_WORKER:
+            _check(ts in self.unrunnable, f"{ts} is no-worker but not unrunnable")
+        if state == ERRED:
+            _check(ts.error is not None, f"{ts} erred without an error")
+
+
+def _zero_clock() -> float:
+    return 0.0
+
+
+def _priority_of(ts: TaskState) -> tuple:
+    return (ts.priority_user, ts.generation, ts.order)
+
+
+def _check(condition, message) -> None:
+    if not condition:
+        raise InvariantError(message)
+
+
+def _parse_finished(report) -> tuple:
+    """``(key, nbytes, type, duration, data)`` of a finished-task report."""
+    if type(report) is not dict:
+        raise TypeError(f"a task-finished report must be a dict, not {type(report).__name__}")
+    key = report["key"]
+    hash(key)
+    nbytes = report.get("nbytes", 0)
+    if type(nbytes) is not int:
+        raise TypeError(f"nbytes of {key!r} must be an int, not {nbytes!r}")
+    type_name = report.get("type")
+    if type_name is not None and not isinstance(type_name, str):
+        raise TypeError(f"type of {key!r} must be a str, not {type_name!r}")
+    start = report.get("start")
+    stop = report.get("stop")
+    duration = -1.0
+    if start is not None and stop is not None:
+        duration = float(stop) - float(start)
+    return (key, nbytes, type_name, duration, report.get("data"))
+
+
+def _parse_erred(report) -> tuple:
+    """``(key, exception, traceback, text)`` of an erred-task report."""
+    if type(report) is not dict:
+        raise TypeError(f"a task-erred report must be a dict, not {type(report).__name__}")
+    key = report["key"]
+    hash(key)
+    text = report.get("text") or ""
+    if not isinstance(text, str):
+        raise TypeError(f"text of {key!r} must be a str")
+    return (key, report.get("exception"), report.get("traceback"), text)
+
+
+def _topological(entries: list, position: dict, known: dict) -> list:
+    """Order new task entries so dependencies come first; refuse a cycle."""
+    n = len(entries)
+    pending = [0] * n
+    dependents = [[] for _ in range(n)]
+    for i in range(n):
+        for dep in dict.fromkeys(entries[i].get("deps") or ()):
+            if dep not in known:
+                j = position[dep]
+                pending[i] += 1
+                dependents[j].append(i)
+    ready = [i for i in range(n) if pending[i] == 0]
+    ordered = []
+    while ready:
+        i = ready.pop()
+        ordered.append(entries[i])
+        for j in dependents[i]:
+            pending[j] -= 1
+            if pending[j] == 0:
+                ready.append(j)
+    if len(ordered) < n:
+        stuck = [entries[i]["key"] for i in range(n) if pending[i]][:5]
+        raise GraphError(f"the graph has a cycle through {stuck!r}")
+    return ordered
+
+
+# Every allowed move: _TRANSITIONS[start][finish]. Moves missing here go via "released".
+_TRANSITIONS = {
+    RELEASED: {
+        WAITING: SchedulerState._transition_released_waiting,
+        ERRED: SchedulerState._transition_released_erred,
+        FORGOTTEN: SchedulerState._transition_released_forgotten,
+    },
+    WAITING: {
+        PROCESSING: SchedulerState._transition_waiting_processing,
+        QUEUED: SchedulerState._transition_waiting_queued,
+        NO_WORKER: SchedulerState._transition_waiting_no_worker,
+        RELEASED: SchedulerState._transition_waiting_released,
+        ERRED: SchedulerState._transition_waiting_erred,
+    },
+    QUEUED: {
+        PROCESSING: SchedulerState._transition_queued_processing,
+        RELEASED: SchedulerState._transition_queued_released,
+    },
+    NO_WORKER: {
+        PROCESSING: SchedulerState._transition_no_worker_processing,
+        RELEASED: SchedulerState._transition_no_worker_released,
+    },
+    PROCESSING: {
+        RELEASED: SchedulerState._transition_processing_released,
+        ERRED: SchedulerState._transition_processing_erred,
+    },
+    MEMORY: {
+        RELEASED: SchedulerState._transition_memory_released,
+    },
+    ERRED: {
+        RELEASED: SchedulerState._transition_erred_released,
+    },
+}
