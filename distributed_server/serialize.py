@@ -1,0 +1,168 @@
+"""How user functions, task specs, results and errors become bytes, and back.
+
+The scheduler never calls anything here: specs, results and errors pass through it as
+opaque bytes. Clients and workers use cloudpickle (functions defined in ``__main__`` and
+lambdas travel by value) with pickle protocol 5, so large buffers (numpy arrays, bytes)
+travel out of band as separate frames instead of being copied into the pickle.
+
+A task spec is any callable taking ``{dependency key: value}`` and returning the result:
+``Call`` for ``submit``/``map``/``get`` tasks, or a dask task-spec node.
+"""
+from __future__ import annotations
+
+import pickle
+import sys
+import traceback as traceback_module
+from typing import Any
+
+import cloudpickle
+
+#: Pickled buffers larger than this travel out of band.
+OUT_OF_BAND_MIN_BYTES = 64 * 1024
+#: Results whose pickle is at most this large ride along with the task-finished report.
+INLINE_RESULT_MAX_BYTES = 1024
+_INLINE_TYPES = (int, float, bool, type(None), str, bytes, complex)
+
+
+class TaskRef:
+    """A reference to another task's result inside a task's arguments."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+    def __reduce__(self):
+        return (TaskRef, (self.key,))
+
+    def __repr__(self):
+        return f"TaskRef({self.key!r})"
+
+
+def substitute(obj, data: dict):
+    """Replace every TaskRef inside lists, tuples, sets and dicts of ``obj`` by its value."""
+    typ = type(obj)
+    if typ is TaskRef:
+        return data[obj.key]
+    if typ is tuple or typ is list or typ is set or typ is frozenset:
+        return typ([substitute(item, data) for item in obj])
+    if typ is dict:
+        return {k: substitute(v, data) for k, v in obj.items()}
+    if typ is Call:
+        return obj(data)
+    return obj
+
+
+class Call:
+    """``func(*args, **kwargs)``, with TaskRefs and nested Calls in the arguments."""
+
+    __slots__ = ("func", "args", "kwargs")
+
+    def __init__(self, func, args: tuple = (), kwargs: dict | None = None):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs or None
+
+    def __call__(self, data: dict):
+        args = [substitute(a, data) for a in self.args] if self.args else ()
+        if self.kwargs:
+            return self.func(*args, **substitute(self.kwargs, data))
+        return self.func(*args)
+
+    def __reduce__(self):
+        return (Call, (self.func, self.args, self.kwargs))
+
+    def __repr__(self):
+        name = getattr(self.func, "__name__", repr(self.func))
+        return f"Call({name}, {len(self.args)} args)"
+
+
+def dumps_spec(spec) -> bytes:
+    """Pickle a task spec (functions by value where needed)."""
+    return cloudpickle.dumps(spec, protocol=5)
+
+
+def loads_spec(payload) -> Any:
+    """Unpickle a task spec on a worker."""
+    return pickle.loads(payload)
+
+
+def dumps_data(value) -> list:
+    """Pickle a result into frames: the pickle, then its large buffers (out of band)."""
+    buffers: list = []
+
+    def keep_large(buffer: pickle.PickleBuffer):
+        if buffer.raw().nbytes >= OUT_OF_BAND_MIN_BYTES:
+            buffers.append(buffer.raw())
+            return False
+        return True
+
+    try:
+        head = pickle.dumps(value, protocol=5, buffer_callback=keep_large)
+    except Exception:
+        buffers.clear()
+        head = cloudpickle.dumps(value, protocol=5, buffer_callback=keep_large)
+    return [head, *buffers]
+
+
+def loads_data(frames) -> Any:
+    """Rebuild a value from the frames that ``dumps_data`` made."""
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+def dumps_inline_result(value) -> bytes | None:
+    """A small result's pickle, to send along with the report; None if not small."""
+    if type(value) not in _INLINE_TYPES:
+        return None
+    if type(value) in (str, bytes) and len(value) > INLINE_RESULT_MAX_BYTES:
+        return None
+    return pickle.dumps(value, protocol=5)
+
+
+def sizeof(value) -> int:
+    """An estimate of the memory a result holds, in bytes."""
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    try:
+        return sys.getsizeof(value)
+    except TypeError:
+        return 64
+
+
+class RemoteTraceback(Exception):
+    """Carries the traceback text of an exception raised on a worker."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+
+def dumps_error(exc: BaseException) -> tuple[bytes, bytes, str]:
+    """``(pickled exception, traceback text as bytes, short text)`` for a failed task."""
+    text = f"{type(exc).__name__}: {exc}"
+    tb_text = "".join(traceback_module.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        payload = cloudpickle.dumps(exc, protocol=5)
+        pickle.loads(payload)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        payload = cloudpickle.dumps(RuntimeError(text), protocol=5)
+    return payload, tb_text.encode(), text
+
+
+def loads_error(exception: bytes | None, traceback: bytes | None, text: str) -> BaseException:
+    """The original exception, with the remote traceback attached as its cause."""
+    exc: BaseException
+    if exception is None:
+        exc = RuntimeError(text)
+    else:
+        try:
+            exc = pickle.loads(exception)
+        except Exception:
+            exc = RuntimeError(text)
+    if traceback:
+        exc.__cause__ = RemoteTraceback("\n\nRemote traceback:\n" + bytes(traceback).decode())
+    return exc
