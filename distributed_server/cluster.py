@@ -1,0 +1,254 @@
+"""LocalCluster: a scheduler and N workers on this machine, started and stopped together.
+
+With ``processes=True`` (the default) each is its own process, started with the same
+``dcore`` command one would run by hand; with ``processes=False`` they share one
+background thread's event loop in this process (quick to start, handy in tests).
+Closing the cluster, or the interpreter exiting, stops everything it started; on Linux
+the child processes also die with their parent, so none is left orphaned.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import weakref
+
+from .comm import CommClosedError, connect
+
+logger = logging.getLogger("distributed_server.cluster")
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started."""
+
+
+class LocalCluster:
+    """A scheduler and ``n_workers`` workers of ``threads_per_worker`` threads each."""
+
+    def __init__(self, n_workers: int | None = None, threads_per_worker: int = 1,
+                 processes: bool = True, *, host: str = "127.0.0.1", scheduler_port: int = 0,
+                 worker_saturation: float = 1.1, validate: bool = False,
+                 timeout: float = 30.0, log_level: str = "WARNING"):
+        if n_workers is None:
+            n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
+        self.n_workers = n_workers
+        self.threads_per_worker = threads_per_worker
+        self.processes = processes
+        self.scheduler_address = ""
+        self._procs: list = []
+        self._loop_thread: _LoopThread | None = None
+        self._servers: list = []
+        self._finalizer = weakref.finalize(self, _stop_processes, self._procs)
+        try:
+            if processes:
+                self._start_processes(host, scheduler_port, worker_saturation, validate,
+                                      timeout, log_level)
+            else:
+                self._start_in_thread(host, scheduler_port, worker_saturation, validate)
+            self.wait_for_workers(n_workers, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self):
+        kind = "processes" if self.processes else "threads"
+        return (f"<LocalCluster {self.scheduler_address} {self.n_workers} workers x "
+                f"{self.threads_per_worker} threads ({kind})>")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ start
+
+    def _start_processes(self, host, port, worker_saturation, validate, timeout, log_level):
+        command = [sys.executable, "-m", "distributed_server.cli"]
+        scheduler_cmd = command + ["scheduler", "--host", host, "--port", str(port),
+                                   "--worker-saturation", str(worker_saturation),
+                                   "--log-level", log_level]
+        if validate:
+            scheduler_cmd.append("--validate")
+        scheduler = self._spawn(scheduler_cmd)
+        self.scheduler_address = _read_address(scheduler, "Scheduler at ", timeout)
+        for i in range(self.n_workers):
+            self._spawn(command + ["worker", self.scheduler_address,
+                                   "--nthreads", str(self.threads_per_worker),
+                                   "--name", f"worker-{i}", "--log-level", log_level])
+
+    def _spawn(self, cmd: list) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        proc.lines = _drain_lines(proc)
+        self._procs.append(proc)
+        return proc
+
+    def _start_in_thread(self, host, port, worker_saturation, validate):
+        from .scheduler import Scheduler
+        from .worker import Worker
+
+        self._loop_thread = _LoopThread()
+        scheduler = self._loop_thread.run(Scheduler(
+            host, port, worker_saturation=worker_saturation, validate=validate).start())
+        self._servers.append(scheduler)
+        self.scheduler_address = scheduler.address
+        for i in range(self.n_workers):
+            worker = Worker(scheduler.address, nthreads=self.threads_per_worker,
+                            name=f"worker-{i}", host=host)
+            self._loop_thread.run(worker.start())
+            self._servers.append(worker)
+
+    # ------------------------------------------------------------------ use
+
+    def scheduler_info(self, timeout: float = 10.0) -> dict:
+        """The scheduler's identity: its workers, task counts, compiled or not."""
+        return _run_in_new_loop(_identity(self.scheduler_address, timeout))
+
+    def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
+        """Block until the scheduler has ``n`` workers; raise ClusterError on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_processes()
+            try:
+                workers = self.scheduler_info(timeout=max(deadline - time.monotonic(), 0.1))
+            except (OSError, CommClosedError, asyncio.TimeoutError) as exc:
+                raise ClusterError(f"cannot reach the scheduler at {self.scheduler_address}: "
+                                   f"{exc}") from exc
+            if len(workers["workers"]) >= n:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"only {len(workers['workers'])} of {n} workers joined "
+                                   f"within {timeout}s")
+            time.sleep(0.05)
+
+    def _check_processes(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is not None:
+                raise ClusterError(f"{' '.join(proc.args[3:5])} exited with code "
+                                   f"{proc.returncode}")
+
+    # ------------------------------------------------------------------ stop
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker and the scheduler; wait for the processes to exit."""
+        if self._loop_thread is not None:
+            for server in reversed(self._servers):
+                try:
+                    self._loop_thread.run(server.close(), timeout=timeout)
+                except Exception:  # noqa: BLE001 - shutting down regardless
+                    logger.exception("error closing %r", server)
+            self._servers.clear()
+            self._loop_thread.stop()
+            self._loop_thread = None
+        _stop_processes(self._procs, timeout)
+        self._finalizer.detach()
+
+
+class _LoopThread:
+    """An asyncio event loop running in a daemon thread; `run` waits for a coroutine."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="distributed-core-cluster")
+        self._thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to send SIGTERM when the parent dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort; close() still stops the child
+        pass
+
+
+def _drain_lines(proc: subprocess.Popen) -> queue.Queue:
+    """Read a child's stdout in a thread forever, so it can never block on a full pipe."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True, name="distributed-core-stdout").start()
+    return lines
+
+
+def _read_address(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = proc.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            raise ClusterError(f"no '{prefix}' line from {proc.args} within {timeout}s") \
+                from None
+        if line is None:
+            raise ClusterError(f"{proc.args} exited (code {proc.wait()}) before starting")
+        if line.startswith(prefix):
+            return line[len(prefix):].split()[0]
+
+
+def _stop_processes(procs: list, timeout: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    procs.clear()
+
+
+async def _identity(address: str, timeout: float) -> dict:
+    comm = await connect(address, {"role": "client", "client_id": f"probe-{uuid.uuid4().hex}"},
+                         timeout=timeout)
+    try:
+        await comm.write([{"op": "identity", "reqid": 0}])
+        while True:
+            for msg in await asyncio.wait_for(comm.read(), timeout):
+                if msg.get("op") == "reply" and msg.get("reqid") == 0:
+                    return msg["result"]
+    finally:
+        await comm.close()
+
+
+def _run_in_new_loop(coro):
+    """Run a coroutine to completion from sync code, even inside a running loop's thread."""
+    result: list = []
+
+    def target():
+        try:
+            result.append(("ok", asyncio.run(coro)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            result.append(("error", exc))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join()
+    kind, value = result[0]
+    if kind == "error":
+        raise value
+    return value
