@@ -1,0 +1,210 @@
+"""The Scheduler server over real loopback sockets, with hand-driven peers.
+
+The peers here are raw comms, so each test controls exactly what the scheduler reads:
+malformed input must close only the connection it came on.
+"""
+import asyncio
+
+import pytest
+
+from distributed_server.comm import CommClosedError, connect, parse_address
+from distributed_server.scheduler import Scheduler
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def _worker(scheduler, port=1, nthreads=1):
+    return await connect(scheduler.address, {"role": "worker", "nthreads": nthreads,
+                                             "address": f"tcp://127.0.0.1:{port}",
+                                             "name": f"w{port}"})
+
+
+async def _client(scheduler, client_id="c1"):
+    return await connect(scheduler.address, {"role": "client", "client_id": client_id})
+
+
+async def _read_op(comm, op):
+    """Read batches until a message with this op arrives; return it (drops the rest)."""
+    while True:
+        for msg in await comm.read():
+            if msg["op"] == op:
+                return msg
+
+
+async def _request(comm, op, **fields):
+    comm.send({"op": op, "reqid": 99, **fields})
+    while True:
+        msg = await _read_op(comm, "reply")
+        if msg["reqid"] == 99:
+            return msg["result"]
+
+
+async def _closed(comm) -> bool:
+    try:
+        while True:
+            await comm.read()
+    except CommClosedError:
+        return True
+
+
+def test_task_round_trip_with_tuple_keys_and_inline_data():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w, c = await _worker(s), await _client(s)
+            key = ("x", 1)
+            c.send({"op": "update-graph", "tasks": [{"key": key, "spec": b"S"}], "keys": [key]})
+            compute = await _read_op(w, "compute-task")
+            assert compute["key"] == key and compute["spec"] == b"S"
+            w.send({"op": "task-finished", "key": key, "nbytes": 28, "type": "int",
+                    "start": 1.0, "stop": 1.5, "data": b"result"})
+            done = await _read_op(c, "key-in-memory")
+            assert done == {"op": "key-in-memory", "key": key, "type": "int", "data": b"result"}
+            assert await _request(c, "who-has", keys=[key]) == {key: ("tcp://127.0.0.1:1",)}
+
+    run(main())
+
+
+def test_a_batch_of_finished_reports_is_one_stimulus():
+    async def main():
+        async with Scheduler(worker_saturation=float("inf")) as s:
+            w, c = await _worker(s), await _client(s)
+            keys = [f"t-{i}" for i in range(50)]
+            c.send({"op": "update-graph", "keys": keys,
+                    "tasks": [{"key": k, "spec": b"S"} for k in keys]})
+            seen = 0
+            while seen < 50:
+                seen += sum(m["op"] == "compute-task" for m in await w.read())
+            await w.write([{"op": "task-finished", "key": k, "nbytes": 1} for k in keys])
+            finished = 0
+            while finished < 50:
+                finished += sum(m["op"] == "key-in-memory" for m in await c.read())
+            stimuli = {sid for key, start, finish, sid, _ in s.state.transition_log
+                       if finish == "memory"}
+            assert len(stimuli) == 1
+
+    run(main())
+
+
+def test_releasing_keys_frees_them_on_the_worker_and_the_scheduler():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w, c = await _worker(s), await _client(s)
+            c.send({"op": "update-graph", "tasks": [{"key": "a", "spec": b"S"}], "keys": ["a"]})
+            await _read_op(w, "compute-task")
+            w.send({"op": "task-finished", "key": "a", "nbytes": 1})
+            await _read_op(c, "key-in-memory")
+            c.send({"op": "release-keys", "keys": ["a"]})
+            assert (await _read_op(w, "free-keys"))["keys"] == ("a",)
+            assert (await _request(c, "identity"))["n_tasks"] == 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("bad", [
+    {"op": "no-such-op"},
+    {"op": "release-keys", "keys": 5},
+    {"op": "release-keys", "keys": [{"a": 1}]},
+    {"op": "update-data", "who_has": [], "nbytes": {}},
+])
+def test_malformed_client_message_closes_only_that_connection(bad):
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w, good = await _worker(s), await _client(s, "good")
+            evil = await _client(s, "evil")
+            evil.send(bad)
+            assert await _closed(evil)
+            good.send({"op": "update-graph", "tasks": [{"key": "a", "spec": b"S"}],
+                       "keys": ["a"]})
+            await _read_op(w, "compute-task")
+            w.send({"op": "task-finished", "key": "a", "nbytes": 1})
+            assert (await _read_op(good, "key-in-memory"))["key"] == "a"
+
+    run(main())
+
+
+def test_garbage_bytes_close_only_that_connection():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            good = await _client(s, "good")
+            _, host, port = parse_address(s.address)
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"\xff" * 64)
+            await writer.drain()
+            await asyncio.wait_for(reader.read(), 10)  # returns once the scheduler hangs up
+            assert reader.at_eof()
+            writer.close()
+            assert (await _request(good, "identity"))["address"] == s.address
+
+    run(main())
+
+
+def test_malformed_worker_report_removes_that_worker_and_reschedules_its_task():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w1 = await _worker(s, port=1)
+            c = await _client(s)
+            c.send({"op": "update-graph", "tasks": [{"key": "a", "spec": b"S"}], "keys": ["a"]})
+            await _read_op(w1, "compute-task")
+            w2 = await _worker(s, port=2)
+            w1.send({"op": "task-finished", "key": "a", "nbytes": "not an int"})
+            assert await _closed(w1)
+            again = await _read_op(w2, "compute-task")
+            assert again["key"] == "a"
+            w2.send({"op": "task-finished", "key": "a", "nbytes": 1})
+            assert (await _read_op(c, "key-in-memory"))["key"] == "a"
+
+    run(main())
+
+
+def test_bad_graph_is_refused_with_a_message_and_the_connection_stays_open():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            c = await _client(s)
+            c.send({"op": "update-graph", "keys": ["b"],
+                    "tasks": [{"key": "b", "spec": b"S", "deps": ["missing"]}]})
+            refused = await _read_op(c, "graph-refused")
+            assert "missing" in refused["error"]
+            assert (await _request(c, "identity"))["n_tasks"] == 0
+
+    run(main())
+
+
+def test_duplicate_worker_address_is_refused():
+    async def main():
+        async with Scheduler() as s:
+            await _worker(s, port=1)
+            second = await _worker(s, port=1)
+            assert await _closed(second)
+            c = await _client(s)
+            assert len((await _request(c, "identity"))["workers"]) == 1
+
+    run(main())
+
+
+def test_silent_worker_is_removed_after_its_ttl():
+    async def main():
+        async with Scheduler(worker_ttl=0.3) as s:
+            w = await _worker(s)
+            c = await _client(s)
+            assert await _closed(w)
+            assert (await _request(c, "identity"))["workers"] == {}
+
+    run(main())
+
+
+def test_client_leaving_releases_its_tasks():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w, c = await _worker(s), await _client(s)
+            c.send({"op": "update-graph", "tasks": [{"key": "a", "spec": b"S"}], "keys": ["a"]})
+            await _read_op(w, "compute-task")
+            c.send({"op": "close-client"})
+            assert await _closed(c)
+            assert (await _read_op(w, "free-keys"))["keys"] == ("a",)
+            assert len(s.state.tasks) == 0
+
+    run(main())
