@@ -51,6 +51,9 @@ WORKER_RUNNING = "running"
 WORKER_CLOSED = "closed"
 
 _UNLIMITED_SLOTS = 2 ** 62
+# Every task counts at least this long in a worker's occupancy: the scheduling overhead
+# of a task. It bounds how many tiny tasks the queue horizon lets a worker hold.
+_MIN_TASK_ESTIMATE = 0.0005
 _NO_DEPENDENCIES = ()
 
 
@@ -318,20 +321,23 @@ class SchedulerState:
     ``validate=True`` checks every invariant after each stimulus and the local
     invariants of each task after each of its transitions. ``worker_saturation`` is how
     many tasks per thread a worker is given before tasks without dependencies wait in
-    the scheduler's queue (``inf`` turns queuing off). ``clock`` is a callable returning
-    seconds; it stamps the transition log.
+    the scheduler's queue (``inf`` turns queuing off). ``queue_horizon`` is the estimated
+    work (seconds per thread) a worker is given regardless: with tiny tasks, a count of
+    1.1 per thread would leave the worker idle for every round trip to the scheduler.
+    ``clock`` is a callable returning seconds; it stamps the transition log.
     """
 
     tasks: dict
     workers: dict
     clients: dict
     prefixes: dict
-    idle: dict  # address -> WorkerState with free slots
+    idle: dict  # address -> WorkerState that is not saturated
     queued: list  # heap of (priority_user, generation, order, seq, TaskState)
     n_queued: cython.Py_ssize_t
     unrunnable: dict  # TaskState -> None, in arrival order
     validate: cython.bint
     worker_saturation: cython.double
+    queue_horizon: cython.double
     allowed_failures: cython.Py_ssize_t
     default_duration: cython.double
     clock: object
@@ -349,7 +355,7 @@ class SchedulerState:
         __slots__ = tuple(__annotations__)
 
     def __init__(self, *, validate: bool = False, worker_saturation: float = 1.1,
-                 allowed_failures: int = 3, default_duration: float = 0.5,
+                 queue_horizon: float = 0.05, allowed_failures: int = 3, default_duration: float = 0.5,
                  transition_log_length: int = 100_000, clock=None):
         if not worker_saturation > 0:
             raise ValueError(f"worker_saturation must be positive, not {worker_saturation!r}")
@@ -363,6 +369,7 @@ class SchedulerState:
         self.unrunnable = {}
         self.validate = validate
         self.worker_saturation = worker_saturation
+        self.queue_horizon = queue_horizon
         self.allowed_failures = allowed_failures
         self.default_duration = default_duration
         self.clock = clock if clock is not None else _zero_clock
@@ -413,9 +420,6 @@ class SchedulerState:
         ts: TaskState
         for ts in self.unrunnable:
             self._recs[ts] = PROCESSING
-        for _ in range(min(ws.slots, self.n_queued)):
-            if not self._pop_queued():
-                break
         return self._end()
 
     def remove_worker(self, address: str, stimulus_id: str) -> tuple:
@@ -436,12 +440,15 @@ class SchedulerState:
                 self._recs[ts] = ERRED
             else:
                 self._recs[ts] = WAITING
+        lost = []
         for ts in ws.has_what:
             ts.who_has = _tuple_without(ts.who_has, ws)
             if ts.who_has is None:
-                self._recs[ts] = RELEASED
+                lost.append(ts)
         ws.has_what = set()
         ws.nbytes = 0
+        for ts in lost:  # at once: a task in memory must always have a holder
+            self._transition(ts, RELEASED)
         return self._end()
 
     def update_graph(self, client: str, tasks: list, keys: list, stimulus_id: str) -> tuple:
@@ -620,7 +627,7 @@ class SchedulerState:
                 and ts.who_has is not None and ws in ts.who_has:
             self._remove_holder(ts, ws)
             if ts.who_has is None:
-                self._recs[ts] = RELEASED
+                self._transition(ts, RELEASED)
         return self._end()
 
     def reschedule(self, worker: str, key, stimulus_id: str) -> tuple:
@@ -672,9 +679,13 @@ class SchedulerState:
     def _end(self) -> tuple:
         recs = self._recs
         ts: TaskState
-        while recs:
-            ts, finish = recs.popitem()
-            self._transition(ts, finish)
+        while True:
+            while recs:
+                ts, finish = recs.popitem()
+                self._transition(ts, finish)
+            # Workers with room take queued tasks, most urgent first, until saturated.
+            if not (self.n_queued > 0 and self.idle and self._pop_queued()):
+                break
         result = (self._client_msgs, self._worker_msgs)
         self._client_msgs = {}
         self._worker_msgs = {}
@@ -685,7 +696,12 @@ class SchedulerState:
     @cython.cfunc
     def _transition(self, ts: TaskState, finish: str) -> None:
         start: str = ts.state
-        if start == finish or start == FORGOTTEN:
+        if start == FORGOTTEN:
+            return
+        if finish in ACTIVE_STATES and ts.who_wants is None and ts.n_waiters == 0:
+            # A later recommendation can outdate an earlier one: run nothing unneeded.
+            finish = RELEASED if ts.dependents is not None else FORGOTTEN
+        if start == finish:
             return
         row: dict = _TRANSITIONS[start]
         func = row.get(finish)
@@ -1137,7 +1153,9 @@ class SchedulerState:
     @cython.cfunc
     def _estimate(self, ts: TaskState) -> cython.double:
         average: cython.double = ts.prefix.duration_average
-        return average if average >= 0 else self.default_duration
+        if average < 0:
+            return self.default_duration
+        return max(average, _MIN_TASK_ESTIMATE)
 
     @cython.cfunc
     def _assign(self, ts: TaskState, ws: WorkerState) -> None:
@@ -1147,7 +1165,7 @@ class SchedulerState:
         ts.estimate = self._estimate(ts)
         ws.processing.add(ts)
         ws.occupancy += ts.estimate
-        if len(ws.processing) >= ws.slots:
+        if self._saturated(ws):
             self.idle.pop(ws.address, None)
         ts.state = PROCESSING
         msg = {"op": "compute-task", "key": ts.key, "spec": ts.run_spec,
@@ -1168,12 +1186,15 @@ class SchedulerState:
         ws.occupancy = ws.occupancy - ts.estimate if ws.processing else 0.0
         ts.processing_on = None
         ts.estimate = 0.0
-        if ws.status == WORKER_RUNNING and len(ws.processing) < ws.slots \
+        if ws.status == WORKER_RUNNING and not self._saturated(ws) \
                 and ws.address not in self.idle:
             self.idle[ws.address] = ws
-        if self.n_queued > 0 and ws.status == WORKER_RUNNING \
-                and len(ws.processing) < ws.slots:
-            self._pop_queued()
+
+    @cython.cfunc
+    def _saturated(self, ws: WorkerState) -> cython.bint:
+        """Enough tasks for its threads, and enough estimated work to outlast a round trip."""
+        return (len(ws.processing) >= ws.slots
+                and ws.occupancy >= ws.nthreads * self.queue_horizon)
 
     @cython.cfunc
     def _push_queued(self, ts: TaskState) -> None:
@@ -1183,8 +1204,10 @@ class SchedulerState:
 
     @cython.cfunc
     def _pop_queued(self) -> cython.bint:
-        """Recommend the most urgent queued task for processing."""
+        """Recommend the most urgent queued task for processing; False if none is left."""
         ts: TaskState
+        if self.n_queued == 0:
+            return False
         while self.queued:
             ts = heapq.heappop(self.queued)[4]
             if ts.state == QUEUED and ts not in self._recs:
@@ -1324,7 +1347,7 @@ class SchedulerState:
             occupancy = sum([ts.estimate for ts in ws.processing])
             _check(abs(ws.occupancy - occupancy) < 1e-6 * (1 + occupancy),
                    f"{ws} occupancy {ws.occupancy} != {occupancy}")
-            _check((address in self.idle) == (len(ws.processing) < ws.slots),
+            _check((address in self.idle) == (not self._saturated(ws)),
                    f"{ws} idle status is wrong")
         for address in self.idle:
             _check(address in self.workers, f"idle worker {address} is not registered")

@@ -15,8 +15,8 @@ What this module does
   receiver gets each such buffer back as a ``memoryview`` (over a ``bytearray`` read
   straight from the socket). msgpack arrays decode as tuples, so tuple keys round-trip.
 - `Comm`: ``await read()``, ``await write(msgs)`` (one frame now) and ``send(msg)``
-  (batched: one frame per ``interval``; an idle comm flushes on the next loop
-  iteration). At most one flush is ever pending; no asyncio Task is created per message.
+  (batched: the first few frames of each ``interval`` flush on the next loop
+  iteration, later ones wait for the window to end). At most one flush is ever pending; no asyncio Task is created per message.
 - A handshake on every connection (`connect`, `listen`): both sides first write
   ``{"op": "handshake", "protocol": PROTOCOL_VERSION, **info}`` and then read the
   peer's. On a mismatch the side that notices writes ``{"op": "error", "error": ...}``
@@ -98,6 +98,9 @@ DEFAULT_MAX_FRAME_BYTES = 2 * 1024**3
 DEFAULT_MAX_BUFFERS = 1 << 20
 #: Default batching window of `Comm.send`, in seconds.
 DEFAULT_INTERVAL = 0.002
+#: Frames `send` may flush at once within one ``interval`` before it waits out the window:
+#: a request/response exchange never waits, a stream of sends is batched.
+BURST_FRAMES = 4
 
 _SCHEMES = ("tcp", "tls")
 _HEAD = struct.Struct("<QQ")  # buffer count n, body length
@@ -286,7 +289,8 @@ class Comm:
         self._aborted = False  # closed by us: read() refuses, even with data buffered
         self._queue: list[dict] = []
         self._flush_handle: asyncio.Handle | None = None
-        self._last_frame_time = float("-inf")
+        self._window_start = float("-inf")
+        self._frames_in_window = 0
         self._last_write: Awaitable | None = None
         self._in_buffers: list = []
         stream.max_buffer_size = max(stream.max_buffer_size, max_frame_bytes + (1 << 20))
@@ -324,8 +328,9 @@ class Comm:
     def send(self, msg: dict) -> None:
         """Queue ``msg``; all queued messages go out together as one frame.
 
-        If no frame went out during the last ``interval``, the flush runs on the next
-        loop iteration, else once ``interval`` has passed since the last frame. Raises
+        The first ``BURST_FRAMES`` frames of each ``interval`` flush on the next loop
+        iteration, so a request/response exchange adds no delay; after that the flush
+        waits for the window to end, so a stream of sends shares frames. Raises
         CommClosedError if the comm is known to be closed. Encoding happens at flush
         time: a message that cannot be encoded is logged and aborts the comm, since
         the peer would otherwise silently miss the whole batch.
@@ -338,8 +343,12 @@ class Comm:
 
     def _schedule_flush(self) -> None:
         loop = self._loop
-        wait = self._last_frame_time + self.interval - loop.time()
-        if wait > 0:
+        now = loop.time()
+        if now - self._window_start >= self.interval:
+            self._window_start = now
+            self._frames_in_window = 0
+        wait = self._window_start + self.interval - now
+        if self._frames_in_window >= BURST_FRAMES and wait > 0:
             self._flush_handle = loop.call_later(wait, self._flush)
         else:
             self._flush_handle = loop.call_soon(self._flush)
@@ -366,7 +375,7 @@ class Comm:
         write = self._stream.write
         for chunk in chunks:
             future = write(chunk)
-        self._last_frame_time = self._loop.time()
+        self._frames_in_window += 1
         self._last_write = future
         return future
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from distributed_server.comm import (
     PROTOCOL_VERSION,
+    BURST_FRAMES,
     Blob,
     Comm,
     CommClosedError,
@@ -274,17 +275,18 @@ def test_batched_send_coalesces_many_sends_into_few_frames():
     run(main())
 
 
-def test_idle_send_goes_out_on_the_next_loop_iteration():
+def test_a_few_sends_go_out_at_once_and_a_stream_waits_for_the_window():
     async def main():
         recorder = Recorder()
         listener = await listen("tcp://127.0.0.1:0", recorder, {})
         comm = await connect(listener.address, {}, interval=1.0)
         await asyncio.sleep(1.1)  # nothing sent for longer than the interval
         start = time.monotonic()
-        comm.send({"op": "first"})
-        assert await recorder.frames.get() == [{"op": "first"}]
+        for i in range(BURST_FRAMES):  # request/response traffic: never delayed
+            comm.send({"op": "burst", "i": i})
+            assert await recorder.frames.get() == [{"op": "burst", "i": i}]
         assert time.monotonic() - start < 0.5  # did not wait for the 1 s window
-        comm.send({"op": "second"})  # a frame just went out: this one waits the window
+        comm.send({"op": "second"})  # the burst is used up: these wait for the window
         comm.send({"op": "third"})
         assert await recorder.frames.get() == [{"op": "second"}, {"op": "third"}]
         assert time.monotonic() - start >= 0.9

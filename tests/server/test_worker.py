@@ -1,0 +1,822 @@
+"""The Worker server over real loopback sockets, driven by a fake scheduler.
+
+`FakeScheduler` plays the scheduler's side of docs/protocol.md: it listens with the
+role "scheduler", sends compute-task / free-keys / close to the workers that register,
+and records every frame and message they send back. Each test controls exactly what
+the worker reads. Task functions live at module level so that specs pickle by
+reference; `GATES` lets a test hold a task on its executor thread until it says so.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import threading
+import time
+
+import pytest
+
+from distributed_server.comm import Blob, CommClosedError, connect, listen
+from distributed_server.serialize import (
+    Call,
+    TaskRef,
+    dumps_data,
+    dumps_spec,
+    loads_data,
+    loads_error,
+)
+from distributed_server.worker import Worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro, timeout: float = 30):
+    """Run one test coroutine on a fresh event loop, failing it after ``timeout`` s."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+# ---------------------------------------------------------------- task functions
+
+GATES: dict = {}  # name -> threading.Event that a gated task waits for
+CALLS: list = []  # (name, argument) appended by `record`, in execution order
+_running = {"now": 0, "max": 0}
+_running_lock = threading.Lock()
+
+
+def noop():
+    return None
+
+
+def inc(x):
+    return x + 1
+
+
+def total_length(*parts):
+    return sum(len(p) for p in parts)
+
+
+def boom():
+    raise ZeroDivisionError("boom on purpose")
+
+
+def gated(name, value=None):
+    """Wait (on the executor thread) until the test opens gate ``name``."""
+    GATES[name].wait(10)
+    CALLS.append((name, value))
+    return value
+
+
+def record(name, value=None):
+    CALLS.append((name, value))
+    return value
+
+
+def exclusive(seconds):
+    """Sleep, tracking how many of these run at once."""
+    with _running_lock:
+        _running["now"] += 1
+        _running["max"] = max(_running["max"], _running["now"])
+    time.sleep(seconds)
+    with _running_lock:
+        _running["now"] -= 1
+
+
+@pytest.fixture(autouse=True)
+def _clean_globals():
+    GATES.clear()
+    CALLS.clear()
+    _running.update(now=0, max=0)
+    yield
+    for gate in GATES.values():  # never leave an executor thread waiting
+        gate.set()
+
+
+def gate(name: str) -> threading.Event:
+    GATES[name] = threading.Event()
+    return GATES[name]
+
+
+# ---------------------------------------------------------------- fake scheduler
+
+
+class FakeScheduler:
+    """The scheduler's side of the protocol, scripted by the test."""
+
+    def __init__(self) -> None:
+        self.comms: dict = {}  # worker address -> Comm
+        self.handshakes: list = []
+        self.received: list = []  # every message from any worker, in order
+        self.frames = 0
+        self.listener = None
+        self.address = ""
+
+    async def start(self, port: int = 0) -> FakeScheduler:
+        self.listener = await listen(f"tcp://127.0.0.1:{port}", self._serve,
+                                     {"role": "scheduler", "compiled": False})
+        self.address = self.listener.address
+        return self
+
+    async def _serve(self, comm) -> None:
+        self.comms[comm.extra["address"]] = comm
+        self.handshakes.append(comm.extra)
+        try:
+            while True:
+                msgs = await comm.read()
+                self.frames += 1
+                self.received.extend(msgs)
+        except CommClosedError:
+            pass
+
+    async def close(self) -> None:
+        await self.listener.stop()
+        for comm in self.comms.values():
+            comm.abort()
+
+    async def __aenter__(self):
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def worker(self, **kwargs) -> Worker:
+        """A started Worker registered with this fake scheduler."""
+        kwargs.setdefault("connect_timeout", 2.0)
+        worker = await Worker(self.address, **kwargs).start()
+        await self.wait_for(lambda: worker.address in self.comms)
+        return worker
+
+    def send(self, worker: Worker, *msgs: dict) -> None:
+        """Queue messages for ``worker`` on its batched stream."""
+        for msg in msgs:
+            self.comms[worker.address].send(msg)
+
+    async def write(self, worker: Worker, msgs: list) -> None:
+        """Send ``msgs`` to ``worker`` as one frame."""
+        await self.comms[worker.address].write(msgs)
+
+    def ops(self, op: str) -> list:
+        return [m for m in self.received if m["op"] == op]
+
+    def finished_keys(self) -> list:
+        return [m["key"] for m in self.ops("task-finished")]
+
+    async def wait_for(self, predicate, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; received: {self.received[-5:]!r}")
+            await asyncio.sleep(0.005)
+
+
+def compute(key, func, *args, priority=(0, 0, 0), who_has=None, resources=None) -> dict:
+    msg = {"op": "compute-task", "key": key, "spec": dumps_spec(Call(func, args)),
+           "priority": priority, "stimulus_id": "test"}
+    if who_has is not None:
+        msg["who_has"] = who_has
+    if resources is not None:
+        msg["resources"] = resources
+    return msg
+
+
+async def peer(worker: Worker):
+    return await connect(worker.address, {"role": "peer"}, timeout=5)
+
+
+async def request(comm, msg: dict) -> dict:
+    await comm.write([msg])
+    (reply,) = await comm.read()
+    return reply
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_worker_registers_with_its_listen_address_and_details():
+    async def main():
+        async with FakeScheduler() as s:
+            w = await s.worker(nthreads=3, name="alice", resources={"GPU": 2})
+            (info,) = s.handshakes
+            assert info["role"] == "worker" and info["address"] == w.address
+            assert (info["nthreads"], info["name"], info["resources"]) == (3, "alice", {"GPU": 2})
+            assert w.address.startswith("tcp://127.0.0.1:")
+            comm = await peer(w)
+            assert comm.extra["role"] == "worker" and comm.extra["address"] == w.address
+            comm.abort()
+            await w.close()
+            assert w.status == "closed"
+    run(main())
+
+
+# ---------------------------------------------------------------- running tasks
+
+
+def test_runs_a_task_and_reports_it_with_the_result_inline():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            before = time.time()
+            s.send(w, compute(("inc", 1), inc, 1))
+            await s.wait_for(lambda: s.ops("task-finished"))
+            (report,) = s.ops("task-finished")
+            assert report["key"] == ("inc", 1)
+            assert report["type"] == "int" and report["nbytes"] > 0
+            assert pickle.loads(report["data"]) == 2
+            assert before <= report["start"] <= report["stop"] <= time.time()
+            assert w.data == {("inc", 1): 2}
+    run(main())
+
+
+def test_a_large_result_is_not_inlined():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            s.send(w, compute("big", bytes, 10_000))
+            await s.wait_for(lambda: s.ops("task-finished"))
+            (report,) = s.ops("task-finished")
+            assert "data" not in report and report["type"] == "bytes"
+            assert report["nbytes"] >= 10_000 and w.data["big"] == bytes(10_000)
+    run(main())
+
+
+def test_a_task_that_raises_is_reported_with_its_exception():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            s.send(w, compute("bad", boom))
+            await s.wait_for(lambda: s.ops("task-erred"))
+            (report,) = s.ops("task-erred")
+            assert report["key"] == "bad" and "boom on purpose" in report["text"]
+            assert report["start"] <= report["stop"]
+            exc = loads_error(report["exception"], report["traceback"], report["text"])
+            assert isinstance(exc, ZeroDivisionError)
+            assert "boom" in str(exc.__cause__)
+            assert "bad" not in w.data
+    run(main())
+
+
+def test_many_tasks_are_reported_in_few_frames():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            frames_before = s.frames
+            await s.write(w, [compute(i, noop) for i in range(1000)])
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 1000)
+            assert sorted(s.finished_keys()) == list(range(1000))
+            assert s.frames - frames_before < 100
+    run(main())
+
+
+def test_a_batch_queued_behind_a_busy_thread_runs_in_priority_order():
+    async def main():
+        async with FakeScheduler() as s, await s.worker(nthreads=1) as w:
+            blocker = gate("blocker")
+            s.send(w, compute("blocker", gated, "blocker"))
+            await s.wait_for(lambda: len(w._jobs) == 1)
+            order = [5, 2, 8, 0, 9, 1, 7, 3, 6, 4]
+            await s.write(w, [compute(f"t{p}", record, "t", p, priority=(0, 0, p))
+                              for p in order])
+            await s.wait_for(lambda: len(w._jobs) == 11)
+            blocker.set()
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 11)
+            assert [v for name, v in CALLS if name == "t"] == sorted(order)
+    run(main())
+
+
+def test_a_late_high_priority_task_overtakes_a_long_backlog():
+    async def main():
+        async with FakeScheduler() as s, await s.worker(nthreads=1) as w:
+            blocker = gate("blocker")
+            s.send(w, compute("blocker", gated, "blocker"))
+            await s.write(w, [compute(f"low-{i}", record, "low", i, priority=(0, 0, 10 + i))
+                              for i in range(500)])
+            await s.write(w, [compute("urgent", record, "urgent", priority=(-1, 0, 0))])
+            await s.wait_for(lambda: len(w._jobs) == 502)
+            blocker.set()
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 502)
+            names = [name for name, _ in CALLS]
+            # only the prefetched jobs were already queued on the thread before it
+            assert names.index("urgent") <= 1 + w._prefetch
+            assert names.index("urgent") < 500 // 2
+    run(main())
+
+
+def test_resources_limit_how_many_tasks_run_at_once():
+    async def main():
+        async with (FakeScheduler() as s,
+                    await s.worker(nthreads=4, resources={"GPU": 1}) as w):
+                await s.write(w, [compute(f"g{i}", exclusive, 0.05, resources={"GPU": 1})
+                                  for i in range(5)])
+                await s.wait_for(lambda: len(s.ops("task-finished")) == 5)
+                assert _running["max"] == 1
+                # without restrictions the same tasks run side by side
+                await s.write(w, [compute(f"f{i}", exclusive, 0.2) for i in range(4)])
+                await s.wait_for(lambda: len(s.ops("task-finished")) == 9)
+                assert _running["max"] > 1
+    run(main())
+
+
+# ---------------------------------------------------------------- dependencies
+
+
+def test_dependencies_are_fetched_from_the_worker_that_holds_them():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as a, await s.worker() as b:
+            # large enough for its pickle buffer to travel out of band
+            s.send(a, compute("x", bytes, 200_000), compute("y", bytes, 10))
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 2)
+            who_has = {"x": [a.address], "y": [a.address]}
+            s.send(b, compute_call("z", Call(total_length, (TaskRef("x"), TaskRef("y"))),
+                                   who_has))
+            await s.wait_for(lambda: "z" in s.finished_keys())
+            assert b.data == {"z": 200_010}  # the fetched copies are dropped
+            assert set(a.data) == {"x", "y"}
+            assert not s.ops("missing-data") and not s.ops("reschedule")
+    run(main())
+
+
+def compute_call(key, call, who_has):
+    """A compute-task whose spec is a ready-made Call (dependencies via TaskRef)."""
+    return {"op": "compute-task", "key": key, "spec": dumps_spec(call),
+            "priority": (0, 0, 0), "who_has": who_has, "stimulus_id": "test"}
+
+
+def test_deps_of_one_burst_share_one_request_per_peer():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as a, await s.worker() as b:
+            s.send(a, *(compute(f"x{i}", bytes, i) for i in range(20)))
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 20)
+            requests = []
+            original = a._get_data
+            a._get_data = lambda msg: requests.append(msg) or original(msg)
+            await s.write(b, [
+                compute_call(f"z{i}", Call(total_length, (TaskRef(f"x{i}"),)),
+                             {f"x{i}": [a.address]})
+                for i in range(20)])
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 40)
+            assert len(requests) == 1 and len(requests[0]["keys"]) == 20
+            assert b.data == {f"z{i}": i for i in range(20)}
+    run(main())
+
+
+def test_a_fetched_copy_lives_as_long_as_a_pending_task_needs_it():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as a, await s.worker(nthreads=2) as b:
+            s.send(a, compute("x", inc, 1))
+            await s.wait_for(lambda: s.ops("task-finished"))
+            g = gate("z2")
+            s.send(b, compute_call("z1", Call(inc, (TaskRef("x"),)), {"x": [a.address]}),
+                   compute_call("z2", Call(gated, ("z2", TaskRef("x"))), {"x": [a.address]}))
+            await s.wait_for(lambda: "z1" in s.finished_keys())
+            assert b.data == {"z1": 3, "x": 2}  # z2 still needs x
+            g.set()
+            await s.wait_for(lambda: "z2" in s.finished_keys())
+            assert b.data == {"z1": 3, "z2": 2}
+            # asked to compute a key it holds only as a copy, it reports the copy and keeps it
+            g = gate("z3")
+            s.send(b, compute_call("z3", Call(gated, ("z3", TaskRef("x"))), {"x": [a.address]}))
+            await s.wait_for(lambda: "x" in b.data)
+            s.send(b, compute("x", inc, 1))
+            await s.wait_for(lambda: s.finished_keys().count("x") == 2)
+            g.set()
+            await s.wait_for(lambda: "z3" in s.finished_keys())
+            assert b.data == {"z1": 3, "z2": 2, "z3": 2, "x": 2}
+            assert CALLS == [("z2", 2), ("z3", 2)]
+    run(main())
+
+
+def test_a_failing_holder_is_replaced_by_the_next_one():
+    async def main():
+        async with (FakeScheduler() as s, await s.worker() as a,
+                    await s.worker(connect_timeout=0.2) as b):
+                s.send(a, compute("x", inc, 1))
+                await s.wait_for(lambda: s.ops("task-finished"))
+                dead = await listen("tcp://127.0.0.1:0", lambda comm: None, {})
+                dead_address = dead.address
+                await dead.stop()
+                s.send(b, compute_call("z", Call(inc, (TaskRef("x"),)),
+                                       {"x": [dead_address, a.address]}))
+                await s.wait_for(lambda: "z" in s.finished_keys())
+                assert b.data == {"z": 3}
+                assert not s.ops("missing-data") and not s.ops("reschedule")
+    run(main())
+
+
+def test_a_dependency_nobody_has_is_reported_missing_and_the_task_given_back():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as a, await s.worker() as b:
+            s.send(b, compute_call("z", Call(inc, (TaskRef("x"),)), {"x": [a.address]}))
+            await s.wait_for(lambda: s.ops("reschedule"))
+            assert s.ops("missing-data") == [
+                {"op": "missing-data", "key": "x", "errant_worker": a.address}]
+            assert s.ops("reschedule") == [{"op": "reschedule", "key": "z"}]
+            assert not s.ops("task-finished") and not b._jobs and not b.data
+            # the same key can be sent again later and then runs
+            s.send(a, compute("x", inc, 1))
+            await s.wait_for(lambda: "x" in s.finished_keys())
+            s.send(b, compute_call("z", Call(inc, (TaskRef("x"),)), {"x": [a.address]}))
+            await s.wait_for(lambda: "z" in s.finished_keys())
+            assert b.data == {"z": 3}
+    run(main())
+
+
+# ---------------------------------------------------------------- free-keys
+
+
+def test_free_keys_drops_data():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            s.send(w, compute("a", inc, 1), compute("b", inc, 2))
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 2)
+            s.send(w, {"op": "free-keys", "keys": ["a", "never-heard-of"],
+                       "stimulus_id": "test"})
+            await s.wait_for(lambda: "a" not in w.data)
+            assert w.data == {"b": 3}
+    run(main())
+
+
+def test_free_keys_forgets_queued_tasks():
+    async def main():
+        async with FakeScheduler() as s, await s.worker(nthreads=1) as w:
+            blocker = gate("blocker")
+            s.send(w, compute("blocker", gated, "blocker"))
+            await s.write(w, [compute(f"q{i}", record, "q", i) for i in range(200)])
+            await s.write(w, [{"op": "free-keys", "keys": [f"q{i}" for i in range(200)],
+                               "stimulus_id": "test"}])
+            # the prefetched ones are on the thread's queue: cancelled, not forgotten
+            await s.wait_for(lambda: len(w._jobs) == w._prefetch)
+            assert sum(job.cancelled for job in w._jobs.values()) == w._prefetch - 1
+            blocker.set()
+            await s.wait_for(lambda: s.finished_keys() == ["blocker"])
+            await s.wait_for(lambda: not w._jobs)
+            await asyncio.sleep(0.05)
+            assert s.finished_keys() == ["blocker"]
+            assert not [c for c in CALLS if c[0] == "q"]
+            assert w.data == {"blocker": None}
+    run(main())
+
+
+def test_free_keys_during_execution_discards_the_result():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            g = gate("slow")
+            s.send(w, compute("slow", gated, "slow", 42))
+            await s.wait_for(lambda: len(w._jobs) == 1)
+            await asyncio.sleep(0.02)  # let it start executing
+            s.send(w, {"op": "free-keys", "keys": ["slow"], "stimulus_id": "test"})
+            await s.wait_for(lambda: w._jobs["slow"].cancelled)
+            g.set()
+            await s.wait_for(lambda: not w._jobs)
+            s.send(w, compute("after", inc, 1))
+            await s.wait_for(lambda: s.ops("task-finished"))
+            assert s.finished_keys() == ["after"]
+            assert "slow" not in w.data and CALLS == [("slow", 42)]
+    run(main())
+
+
+def test_compute_task_after_free_keys_adopts_the_running_execution():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            g = gate("slow")
+            s.send(w, compute("slow", gated, "slow", 42))
+            await s.wait_for(lambda: len(w._jobs) == 1)
+            await asyncio.sleep(0.02)
+            s.send(w, {"op": "free-keys", "keys": ["slow"], "stimulus_id": "test"})
+            await s.wait_for(lambda: w._jobs["slow"].cancelled)
+            s.send(w, compute("slow", gated, "slow", 42))
+            await s.wait_for(lambda: not w._jobs["slow"].cancelled)
+            g.set()
+            await s.wait_for(lambda: s.ops("task-finished"))
+            assert s.finished_keys() == ["slow"] and w.data == {"slow": 42}
+            assert CALLS == [("slow", 42)]  # ran once
+    run(main())
+
+
+def test_compute_task_for_a_key_held_reports_it_without_running_again():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            s.send(w, compute("r", record, "r", 7))
+            await s.wait_for(lambda: s.ops("task-finished"))
+            s.send(w, compute("r", record, "r", 7))
+            await s.wait_for(lambda: len(s.ops("task-finished")) == 2)
+            assert CALLS == [("r", 7)]
+            assert pickle.loads(s.ops("task-finished")[1]["data"]) == 7
+    run(main())
+
+
+def test_a_duplicate_compute_task_runs_once():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            g = gate("d")
+            s.send(w, compute("d", gated, "d", 1))
+            await s.wait_for(lambda: len(w._jobs) == 1)
+            s.send(w, compute("d", gated, "d", 1))
+            await asyncio.sleep(0.05)
+            g.set()
+            await s.wait_for(lambda: s.ops("task-finished"))
+            await asyncio.sleep(0.05)
+            assert s.finished_keys() == ["d"] and CALLS == [("d", 1)]
+    run(main())
+
+
+# ---------------------------------------------------------------- heartbeats, peers
+
+
+def test_heartbeats_arrive_on_the_batched_stream():
+    async def main():
+        async with FakeScheduler() as s, await s.worker(heartbeat_interval=0.05):
+            await s.wait_for(lambda: len(s.ops("heartbeat")) >= 3, timeout=5)
+    run(main())
+
+
+def test_peers_can_put_get_and_ping():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            comm = await peer(w)
+            frames = [Blob(f) for f in dumps_data(b"z" * 100_000)]
+            reply = await request(comm, {"op": "put-data", "data": {("k", 1): frames}})
+            assert reply == {"op": "ok"}
+            assert w.data[("k", 1)] == b"z" * 100_000
+            reply = await request(comm, {"op": "get-data", "keys": [("k", 1), "nope"]})
+            assert reply["op"] == "data" and reply["missing"] == ("nope",)
+            assert loads_data(reply["data"][("k", 1)]) == b"z" * 100_000
+            assert await request(comm, {"op": "ping"}) == {"op": "pong"}
+            comm.abort()
+    run(main())
+
+
+def test_a_malformed_peer_request_closes_only_that_connection(caplog):
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            good, bad, worse = await peer(w), await peer(w), await peer(w)
+            await bad.write([{"op": "get-data"}])  # no keys
+            await worse.write([{"op": "launch-missiles"}])
+            for comm in (bad, worse):
+                with pytest.raises(CommClosedError):
+                    await comm.read()
+            assert await request(good, {"op": "ping"}) == {"op": "pong"}
+            s.send(w, compute("still", inc, 1))
+            await s.wait_for(lambda: s.ops("task-finished"))
+            good.abort()
+    with caplog.at_level(logging.ERROR, logger="distributed_server.worker"):
+        run(main())
+    assert "bad request" in caplog.text
+
+
+def test_unknown_scheduler_operations_are_ignored():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            s.send(w, {"op": "what-is-this"}, compute("a", inc, 1),
+                   {"op": "compute-task"})  # no key: logged, the rest still applies
+            await s.wait_for(lambda: s.ops("task-finished"))
+            assert w.data == {"a": 2} and w.status == "running"
+    run(main())
+
+
+# ---------------------------------------------------------------- losing the scheduler
+
+
+def test_the_scheduler_asking_to_close_shuts_the_worker_down():
+    async def main():
+        async with FakeScheduler() as s:
+            w = await s.worker()
+            s.send(w, {"op": "close"})
+            await asyncio.wait_for(w.finished(), 5)
+            assert w.status == "closed"
+    run(main())
+
+
+def test_worker_closes_when_the_scheduler_is_gone_for_good():
+    async def main():
+        s = await FakeScheduler().start()
+        w = await s.worker(reconnect_timeout=0.5)
+        started = time.monotonic()
+        await s.close()
+        await asyncio.wait_for(w.finished(), 5)
+        assert w.status == "closed" and time.monotonic() - started < 3
+    run(main())
+
+
+def test_worker_registers_again_after_losing_the_scheduler_and_drops_its_state():
+    async def main():
+        async with FakeScheduler() as s:
+            w = await s.worker(reconnect_timeout=5)
+            s.send(w, compute("a", inc, 1))
+            await s.wait_for(lambda: s.ops("task-finished"))
+            s.comms.pop(w.address).abort()
+            await s.wait_for(lambda: len(s.handshakes) == 2)
+            await s.wait_for(lambda: w.address in s.comms)
+            assert w.data == {} and w.status == "running"
+            s.send(w, compute("b", inc, 2))
+            await s.wait_for(lambda: "b" in s.finished_keys())
+            await w.close()
+    run(main())
+
+
+def test_close_does_not_wait_for_a_long_running_task():
+    async def main():
+        async with FakeScheduler() as s:
+            w = await s.worker()
+            gate("forever")
+            s.send(w, compute("forever", gated, "forever"))
+            await s.wait_for(lambda: len(w._jobs) == 1)
+            started = time.monotonic()
+            await w.close()
+            assert time.monotonic() - started < 3 and w.status == "closed"
+    run(main())
+
+
+def test_start_fails_cleanly_without_a_scheduler():
+    async def main():
+        dead = await listen("tcp://127.0.0.1:0", lambda comm: None, {})
+        address = dead.address
+        await dead.stop()
+        w = Worker(address, connect_timeout=0.2)
+        with pytest.raises(OSError):
+            await w.start()
+        assert w.status == "closed"
+    run(main())
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def _cpu_seconds_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _serve_worker(address: str) -> None:
+    """Child process: one Worker with one thread, until the scheduler closes it."""
+    async def main():
+        worker = await Worker(address, nthreads=1).start()
+        await worker.finished()
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_throughput_of_no_op_tasks(capsys):
+    """20,000 no-op tasks to a worker process with one thread: tasks/s and CPU per task."""
+    import multiprocessing
+
+    n = 20_000
+
+    async def main():
+        async with FakeScheduler() as s:
+            context = multiprocessing.get_context("spawn")
+            proc = context.Process(target=_serve_worker, args=(s.address,), daemon=True)
+            proc.start()
+            try:
+                await s.wait_for(lambda: s.comms, timeout=30)
+                (comm,) = s.comms.values()
+                spec = dumps_spec(Call(noop))
+                msgs = [{"op": "compute-task", "key": f"noop-{i}", "spec": spec,
+                         "priority": (0, 0, i), "stimulus_id": "bench"} for i in range(n)]
+                cpu0, t0 = _cpu_seconds_of(proc.pid), time.perf_counter()
+                for i in range(0, n, 1000):
+                    await comm.write(msgs[i:i + 1000])
+                await s.wait_for(lambda: len(s.received) >= n, timeout=60)
+                elapsed, cpu = time.perf_counter() - t0, _cpu_seconds_of(proc.pid) - cpu0
+                await comm.write([{"op": "close"}])
+                return elapsed, cpu, s.frames
+            finally:
+                await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
+                if proc.is_alive():
+                    proc.kill()
+
+    elapsed, cpu, frames = run(main(), timeout=120)
+    with capsys.disabled():
+        print(f"\nworker: {n / elapsed:,.0f} tasks/s, {cpu / n * 1e6:.1f} µs CPU per task, "
+              f"{frames} report frames")
+    assert cpu / n < 60e-6
+
+
+# ---------------------------------------------------------------- with the real scheduler
+
+
+def add(a, b):
+    return a + b
+
+
+def tree_sum_graph(n: int) -> tuple[list, object]:
+    """Tasks squaring 0..n-1 and summing them pairwise; (task dicts, the final key)."""
+    tasks = [{"key": ("sq", i), "spec": dumps_spec(Call(pow, (i, 2)))} for i in range(n)]
+    level, depth = [("sq", i) for i in range(n)], 0
+    while len(level) > 1:
+        depth += 1
+        nxt = []
+        for j in range(0, len(level) - 1, 2):
+            key = ("add", depth, j)
+            left, right = level[j], level[j + 1]
+            tasks.append({"key": key, "deps": [left, right],
+                          "spec": dumps_spec(Call(add, (TaskRef(left), TaskRef(right))))})
+            nxt.append(key)
+        level = nxt + ([level[-1]] if len(level) % 2 else [])
+    return tasks, level[0]
+
+
+async def read_until(comm, op: str, key) -> dict:
+    while True:
+        for msg in await comm.read():
+            if msg["op"] == op and msg.get("key") == key:
+                return msg
+            assert msg["op"] in ("key-in-memory", "heartbeat"), msg
+
+
+def count_calls(*workers) -> tuple[dict, dict]:
+    """Count compute-task messages and get-data requests each worker handles."""
+    computed = dict.fromkeys(workers, 0)
+    served = dict.fromkeys(workers, 0)
+    for w in workers:
+        def on_compute(msg, w=w, original=w._handlers["compute-task"]):
+            computed[w] += 1
+            original(msg)
+
+        def on_get_data(msg, w=w, original=w._get_data):
+            served[w] += 1
+            return original(msg)
+        w._handlers["compute-task"] = on_compute
+        w._get_data = on_get_data
+    return computed, served
+
+
+def test_a_graph_runs_across_two_workers_with_the_real_scheduler():
+    from distributed_server.scheduler import Scheduler
+
+    async def main():
+        async with (Scheduler(validate=True) as s, Worker(s.address, nthreads=2) as a,
+                    Worker(s.address, nthreads=2) as b):
+                computed, served = count_calls(a, b)
+                client = await connect(s.address, {"role": "client", "client_id": "c"})
+                tasks, final = tree_sum_graph(200)
+                client.send({"op": "update-graph", "tasks": tasks, "keys": [final]})
+                msg = await read_until(client, "key-in-memory", final)
+                assert pickle.loads(msg["data"]) == sum(i * i for i in range(200))
+                assert computed[a] and computed[b] and computed[a] + computed[b] >= len(tasks)
+                assert served[a] + served[b] > 0  # dependencies crossed between workers
+                client.send({"op": "release-keys", "keys": [final]})
+                deadline = time.monotonic() + 10
+                while (a.data or b.data) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert a.data == {} and b.data == {}  # freed, fetched copies included
+                assert not a._jobs and not b._jobs and not a._fetches and not b._fetches
+                client.abort()
+    run(main())
+
+
+def test_a_task_that_raises_reaches_the_client_through_the_real_scheduler():
+    from distributed_server.scheduler import Scheduler
+
+    async def main():
+        async with Scheduler(validate=True) as s, Worker(s.address):
+            client = await connect(s.address, {"role": "client", "client_id": "c"})
+            client.send({"op": "update-graph", "keys": ["bad"],
+                         "tasks": [{"key": "bad", "spec": dumps_spec(Call(boom))}]})
+            msg = await read_until(client, "task-erred", "bad")
+            exc = loads_error(msg["exception"], msg["traceback"], msg["text"])
+            assert isinstance(exc, ZeroDivisionError)
+            client.abort()
+    run(main())
+
+
+def test_the_real_scheduler_closing_shuts_its_workers_down():
+    from distributed_server.scheduler import Scheduler
+
+    async def main():
+        s = await Scheduler().start()
+        w = await Worker(s.address).start()
+        while w.address not in s.worker_comms:
+            await asyncio.sleep(0.005)
+        await s.close()
+        await asyncio.wait_for(w.finished(), 5)
+        assert w.status == "closed"
+    run(main())
+
+
+def test_workers_speak_tls_to_the_scheduler_and_to_each_other(tmp_path):
+    import ssl
+
+    from test_comm import make_self_signed_cert
+
+    from distributed_server.scheduler import Scheduler
+
+    cert, key = make_self_signed_cert(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cert)
+
+    async def main():
+        async with Scheduler(ssl_context=server_ctx) as s:
+            contexts = (server_ctx, client_ctx)
+            async with Worker(s.address, ssl_context=contexts) as a, \
+                    Worker(s.address, ssl_context=contexts) as b:
+                assert a.address.startswith("tls://") and b.address.startswith("tls://")
+                _, served = count_calls(a, b)
+                client = await connect(s.address, {"role": "client", "client_id": "c"},
+                                       ssl_context=client_ctx)
+                tasks, final = tree_sum_graph(64)
+                client.send({"op": "update-graph", "tasks": tasks, "keys": [final]})
+                msg = await read_until(client, "key-in-memory", final)
+                assert pickle.loads(msg["data"]) == sum(i * i for i in range(64))
+                assert served[a] + served[b] > 0
+                client.abort()
+    run(main())
