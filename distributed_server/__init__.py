@@ -1,1 +1,16 @@
-"""distributed-core's server shell: comms, the Scheduler server, Worker, Client, LocalCluster."""
+"""distributed-core's server shell: comms, the Scheduler server, Worker, Client, LocalCluster.
+
+Everything here is plain Python on tornado and msgpack; the scheduling decisions are
+made by the compiled state machine in ``distributed_core``, which the Scheduler holds.
+"""
+from distributed_core import COMPILED, __version__
+
+from .client import CancelledError, Client, Future, as_completed, wait
+from .cluster import LocalCluster
+from .scheduler import Scheduler
+from .worker import Worker
+
+__all__ = [
+    "COMPILED", "CancelledError", "Client", "Future", "LocalCluster", "Scheduler", "Worker",
+    "__version__", "as_completed", "wait",
+]

@@ -1,0 +1,246 @@
+"""The Client end to end: a real LocalCluster (a scheduler and two worker processes).
+
+Task functions are defined here and pickled by value (`register_pickle_by_value`), since
+the worker processes cannot import this test module. The slow-marked tests print the
+client's throughput and round-trip figures (``pytest -m slow -s -k figures``).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import sys
+import time
+
+import cloudpickle
+import pytest
+
+from distributed_server.client import (
+    CancelledError,
+    Client,
+    as_completed,
+    wait,
+)
+from distributed_server.cluster import LocalCluster
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def inc(x):
+    return x + 1
+
+
+def add(*args):
+    return sum(args)
+
+
+def noop(x):
+    return x
+
+
+def span(n):
+    """A result too large to travel inline: it stays on its worker."""
+    return list(range(n))
+
+
+def total(*lists):
+    return sum(len(x) for x in lists)
+
+
+def slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def boom(x):
+    raise ZeroDivisionError(f"boom {x}")
+
+
+def flaky(path: str, failures: int):
+    """Fail the first ``failures`` calls, counted in the file at ``path``."""
+    with open(path, "a+") as f:
+        f.seek(0)
+        calls = len(f.read())
+        f.write("x")
+    if calls < failures:
+        raise RuntimeError(f"failure {calls + 1}")
+    return calls
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as c:
+        yield c
+
+
+def workers_of(client) -> list[str]:
+    return sorted(client.scheduler_info()["workers"])
+
+
+def wait_until_no_tasks(client, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while client.scheduler_info()["n_tasks"]:
+        assert time.monotonic() < deadline, client.scheduler_info()["task_counts"]
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_submit_map_gather(client):
+    assert client.submit(inc, 1).result() == 2
+    futures = client.map(inc, range(100))
+    assert client.gather(futures) == list(range(1, 101))
+    assert client.gather({"x": futures[0], "l": [futures[1]]}) == {"x": 1, "l": [2]}
+
+
+def test_large_results_are_fetched_from_workers(client):
+    futures = client.map(span, [100_000, 200_000])
+    assert [len(x) for x in client.gather(futures)] == [100_000, 200_000]
+    assert futures[0].result()[-1] == 99_999
+
+
+def test_dependencies_across_two_workers(client):
+    first, second = workers_of(client)
+    x = client.submit(span, 50_000, workers=[first])
+    y = client.submit(span, 70_000, workers=[second])
+    z = client.submit(total, x, y)
+    assert z.result() == 120_000
+    who_has = client.who_has([x, y])
+    assert who_has[x.key] == (first,) or first in who_has[x.key]
+    assert second in who_has[y.key]
+
+
+def test_restrictions_by_worker_address(client):
+    for i, address in enumerate(workers_of(client)):
+        futures = client.map(span, range(2000 + 100 * i, 2010 + 100 * i), workers=address)
+        wait(futures)
+        assert all(holders == (address,) for holders in client.who_has(futures).values())
+
+
+def test_exception_with_remote_traceback(client):
+    future = client.submit(boom, 3)
+    with pytest.raises(ZeroDivisionError, match="boom 3") as info:
+        future.result()
+    assert "Remote traceback" in str(info.value.__cause__)
+    assert "boom" in future.traceback()
+    assert future.status == "error"
+    with pytest.raises(ZeroDivisionError):
+        client.submit(inc, future).result()
+
+
+def test_retries(client, tmp_path):
+    path = str(tmp_path / "calls")
+    assert client.submit(flaky, path, 2, retries=2).result() == 2
+    failing = client.submit(flaky, str(tmp_path / "other"), 3, retries=1)
+    with pytest.raises(RuntimeError, match="failure 2"):
+        failing.result()
+    failing.retry()
+    with pytest.raises(RuntimeError, match="failure 3"):
+        failing.result()
+    failing.retry()
+    assert failing.result() == 3
+
+
+def test_releasing_futures_leaves_no_tasks(client):
+    futures = client.map(inc, range(500))
+    big = client.submit(span, 100_000)
+    dependent = client.submit(total, big)
+    client.gather(futures + [dependent])
+    del futures, big, dependent
+    gc.collect()
+    wait_until_no_tasks(client)
+
+
+def test_cancel(client):
+    future = client.submit(slow, 5, pure=False)
+    time.sleep(0.1)
+    future.cancel()
+    assert future.status == "cancelled"
+    with pytest.raises(CancelledError):
+        future.result()
+    wait_until_no_tasks(client)
+    assert client.submit(inc, 10).result() == 11  # the worker is free again
+
+
+def test_scatter_then_submit(client):
+    [data] = client.scatter([list(range(10_000))])
+    assert client.submit(total, data).result() == 10_000
+    assert client.gather(data)[-1] == 9_999
+    everywhere = client.scatter({"shared": 7}, broadcast=True)
+    assert len(client.who_has(everywhere)["shared"]) == 2
+    assert client.submit(inc, everywhere["shared"]).result() == 8
+
+
+def test_get_of_a_dict_graph(client):
+    graph = {"a": 1, "b": (inc, "a"), "c": (add, "a", "b", (inc, "b")), "d": ["a", "c"]}
+    assert client.get(graph, ["c", ["d"]]) == [6, [[1, 6]]]
+    assert client.get(graph, "b") == 2
+
+
+def test_as_completed(client):
+    futures = [client.submit(slow, s, pure=False) for s in (0.4, 0.0, 0.2)]
+    seen = [f.result() for f in as_completed(futures)]
+    assert sorted(seen) == [0.0, 0.2, 0.4] and seen[0] != 0.4
+    results = [r for _, r in as_completed(client.map(inc, range(5)), with_results=True)]
+    assert sorted(results) == [1, 2, 3, 4, 5]
+
+
+def test_async_client(cluster):
+    async def main():
+        async with Client(cluster.scheduler_address, asynchronous=True) as client:
+            assert await client.submit(inc, 1) == 2
+            futures = client.map(inc, range(10))
+            assert await client.gather(futures) == list(range(1, 11))
+            async for future in as_completed(futures):
+                assert future.done()
+            assert (await client.scatter([5]))[0].key.startswith("int-")
+            with pytest.raises(ZeroDivisionError):
+                await client.submit(boom, 0)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_client_starts_and_closes_its_own_cluster():
+    with Client(n_workers=1) as client:
+        assert client.submit(inc, 1).result() == 2
+        cluster = client._cluster
+        assert len(client.scheduler_info()["workers"]) == 1
+    assert not cluster._procs  # every process was stopped
+
+
+# ---------------------------------------------------------------- figures (printed, not asserted)
+
+
+@pytest.mark.slow
+def test_figures_map_throughput_and_round_trip():
+    """map(noop, range(20_000)) + gather on 1 worker x 1 thread; 200 submit().result()."""
+    with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, Client(cluster) as client:
+        client.gather(client.map(noop, range(1000)))  # warm up
+        for _ in range(3):
+            gc.collect()
+            cpu, start = time.process_time(), time.perf_counter()
+            futures = client.map(noop, range(20_000))
+            submitted = time.perf_counter()
+            client.gather(futures)
+            done = time.perf_counter()
+            cpu = time.process_time() - cpu  # the client process: all its threads
+            print(f"\nmap+gather 20,000 noop: {20_000 / (done - start):,.0f} tasks/s "
+                  f"(map call {1e3 * (submitted - start):.0f} ms, total "
+                  f"{1e3 * (done - start):.0f} ms; client CPU {1e6 * cpu / 20_000:.1f} µs/task)")
+            del futures
+        samples = []
+        for i in range(200):
+            start = time.perf_counter()
+            client.submit(inc, i).result()
+            samples.append(time.perf_counter() - start)
+        print(f"submit(inc, i).result(): median {1e3 * statistics.median(samples):.2f} ms "
+              f"over 200 (min {1e3 * min(samples):.2f}, max {1e3 * max(samples):.2f})")

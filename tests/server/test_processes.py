@@ -1,0 +1,164 @@
+"""Whole processes: the dcore command, workers killed mid-graph, clients that vanish.
+
+Every scheduler and worker here is a real process on loopback, started the way a user
+starts them (``python -m distributed_server.cli`` is what the ``dcore`` script runs).
+"""
+import inspect
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import psutil
+import pytest
+
+import distributed_core
+from distributed_server import Client, LocalCluster
+
+pytestmark = pytest.mark.timeout(120)
+# Worker processes cannot import test modules: these functions travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def slow_square(x, delay=0.0):
+    if delay:
+        time.sleep(delay)
+    return x * x
+
+
+def add(a, b):
+    return a + b
+
+
+def tree_sum(client, n):
+    level = client.map(slow_square, range(n))
+    while len(level) > 1:
+        carry = [level[-1]] if len(level) % 2 else []
+        level = client.map(add, level[0:-1:2], level[1::2]) + carry
+    return level[0]
+
+
+# The source a child client process needs to submit the same tasks.
+TASKS = "import time\n" + inspect.getsource(slow_square)
+
+DCORE = [sys.executable, "-m", "distributed_server.cli"]
+
+
+def _start(args: list) -> subprocess.Popen:
+    return subprocess.Popen(DCORE + args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True)
+
+
+def _first_line(proc: subprocess.Popen, prefix: str) -> str:
+    line = proc.stdout.readline()
+    assert line.startswith(prefix), line
+    return line
+
+
+def _gone(pids, timeout=15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_version_says_which_core_is_loaded():
+    out = subprocess.run(DCORE + ["--version"], capture_output=True, text=True, check=True)
+    kind = "compiled" if distributed_core.COMPILED else "interpreted"
+    assert f"core {kind}" in out.stdout
+    assert distributed_core.__version__ in out.stdout
+
+
+def test_dcore_scheduler_and_two_workers_run_a_graph_with_transfers():
+    scheduler = _start(["scheduler", "--port", "0", "--log-level", "WARNING"])
+    procs = [scheduler]
+    try:
+        address = _first_line(scheduler, "Scheduler at ").split()[2]
+        for name in ("left", "right"):
+            worker = _start(["worker", address, "--nthreads", "2", "--name", name,
+                             "--log-level", "WARNING"])
+            procs.append(worker)
+            _first_line(worker, "Worker at ")
+        with Client(address, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=30)
+            names = {w["name"] for w in client.scheduler_info()["workers"].values()}
+            assert names == {"left", "right"}
+            total = tree_sum(client, 200)
+            assert total.result(timeout=60) == sum(i * i for i in range(200))
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            assert proc.wait(timeout=20) is not None
+
+
+def test_graph_completes_correctly_when_a_worker_is_killed_midway():
+    with LocalCluster(n_workers=2, threads_per_worker=1) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        leaves = client.map(slow_square, range(60), delay=0.05)
+        total = client.submit(sum, leaves)
+        while sum(f.done() for f in leaves) < 10:
+            time.sleep(0.02)
+        victim = cluster._procs[1]  # a worker; [0] is the scheduler
+        victim.send_signal(signal.SIGKILL)
+        assert total.result(timeout=90) == sum(i * i for i in range(60))
+        assert len(client.scheduler_info()["workers"]) == 1
+
+
+def test_client_process_dying_midgraph_releases_its_tasks_and_others_are_served():
+    with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
+            Client(cluster, set_as_default=False) as survivor:
+        script = textwrap.dedent(f"""
+            from distributed_server import Client
+            client = Client({cluster.scheduler_address!r}, set_as_default=False)
+            futures = client.map(slow_square, range(500), delay=0.01)
+            print("submitted", flush=True)
+            time.sleep(60)
+        """)
+        doomed = subprocess.Popen([sys.executable, "-c", TASKS + script],
+                                  stdout=subprocess.PIPE, text=True)
+        assert doomed.stdout.readline().strip() == "submitted"
+        deadline = time.monotonic() + 30
+        while survivor.scheduler_info()["n_tasks"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert survivor.scheduler_info()["n_tasks"] > 0
+        doomed.kill()
+        doomed.wait()
+        assert survivor.submit(slow_square, 7, delay=0).result(timeout=30) == 49
+        deadline = time.monotonic() + 30
+        while survivor.scheduler_info()["n_tasks"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert survivor.scheduler_info()["n_tasks"] <= 1  # only the survivor's own task
+
+
+def test_closing_a_local_cluster_leaves_no_processes():
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1)
+    pids = [proc.pid for proc in cluster._procs]
+    assert len(pids) == 3
+    cluster.close()
+    assert _gone(pids)
+
+
+def test_cluster_processes_die_with_a_killed_parent():
+    script = textwrap.dedent("""
+        from distributed_server import LocalCluster
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1)
+        print(*[p.pid for p in cluster._procs], flush=True)
+        import time; time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 3
+    parent.kill()
+    parent.wait()
+    if not sys.platform.startswith("linux"):
+        pytest.skip("only Linux kills children with their parent")
+    assert _gone(pids)
+
