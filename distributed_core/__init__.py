@@ -38,6 +38,8 @@ def _load_core():
 _core = _load_core()
 
 COMPILED: bool = _core.COMPILED
+#: The file the core was loaded from: the extension module, or ``_core.pyx``.
+CORE_FILE: str = _core.__file__
 TaskState = _core.TaskState
 WorkerState = _core.WorkerState
 ClientState = _core.ClientState
@@ -49,6 +51,6 @@ GraphError = _core.GraphError
 TASK_STATES = _core.TASK_STATES
 
 __all__ = [
-    "COMPILED", "TaskState", "WorkerState", "ClientState", "TaskPrefix", "SchedulerState",
+    "COMPILED", "CORE_FILE", "TaskState", "WorkerState", "ClientState", "TaskPrefix", "SchedulerState",
     "InvalidTransition", "InvariantError", "GraphError", "TASK_STATES", "__version__",
 ]

@@ -451,7 +451,7 @@ class SchedulerState:
             self._transition(ts, RELEASED)
         return self._end()
 
-    def update_graph(self, client: str, tasks: list, keys: list, stimulus_id: str) -> tuple:
+    def update_graph(self, client: str, tasks, keys, stimulus_id: str) -> tuple:
         """A client submits tasks and names the keys it wants.
 
         Known keys are reused. A bad graph changes nothing: the client is sent one
@@ -505,7 +505,7 @@ class SchedulerState:
             self._send_client(cs, {"op": "cancelled-keys", "keys": lost})
         return self._end()
 
-    def task_finished(self, worker: str, reports: list, stimulus_id: str) -> tuple:
+    def task_finished(self, worker: str, reports, stimulus_id: str) -> tuple:
         """A worker finished tasks: each report is
         ``{"key", "nbytes", "type", "start", "stop", "data"?}`` (data: a small result,
         forwarded to the clients that want it, never kept)."""
@@ -527,7 +527,7 @@ class SchedulerState:
                 self._free_key(ws, key)  # a stale result: the task moved on
         return self._end()
 
-    def task_erred(self, worker: str, reports: list, stimulus_id: str) -> tuple:
+    def task_erred(self, worker: str, reports, stimulus_id: str) -> tuple:
         """Tasks raised on a worker: each report is
         ``{"key", "exception", "traceback", "text"}`` (bytes, bytes, str)."""
         parsed = [_parse_erred(r) for r in reports]

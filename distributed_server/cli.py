@@ -44,7 +44,7 @@ def version_text() -> str:
     """The version line: package version and which core is loaded."""
     kind = "compiled" if distributed_core.COMPILED else "interpreted"
     return (f"distributed-core {distributed_core.__version__} (core {kind}: "
-            f"{distributed_core._core.__file__})")
+            f"{distributed_core.CORE_FILE})")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,6 +12,8 @@ import asyncio
 import logging
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -643,28 +645,20 @@ def _cpu_seconds_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _serve_worker(address: str) -> None:
-    """Child process: one Worker with one thread, until the scheduler closes it."""
-    async def main():
-        worker = await Worker(address, nthreads=1).start()
-        await worker.finished()
-    asyncio.run(main())
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
-def test_throughput_of_no_op_tasks(capsys):
-    """20,000 no-op tasks to a worker process with one thread: tasks/s and CPU per task."""
-    import multiprocessing
-
+def test_twenty_thousand_no_op_tasks_are_all_reported_in_batched_frames(capsys):
+    """20,000 no-op tasks to a worker process with one thread: every one is reported,
+    in far fewer frames than tasks. Prints tasks/s and CPU per task (a figure, not a test:
+    benchmarks/e2e.py measures throughput)."""
     n = 20_000
 
     async def main():
         async with FakeScheduler() as s:
-            context = multiprocessing.get_context("spawn")
-            proc = context.Process(target=_serve_worker, args=(s.address,), daemon=True)
-            proc.start()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "distributed_server.cli", "worker", s.address,
+                 "--nthreads", "1", "--log-level", "WARNING"], stdout=subprocess.DEVNULL)
             try:
                 await s.wait_for(lambda: s.comms, timeout=30)
                 (comm,) = s.comms.values()
@@ -679,15 +673,17 @@ def test_throughput_of_no_op_tasks(capsys):
                 await comm.write([{"op": "close"}])
                 return elapsed, cpu, s.frames
             finally:
-                await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
-                if proc.is_alive():
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, proc.wait, 10)
+                except subprocess.TimeoutExpired:
                     proc.kill()
+                    proc.wait()
 
     elapsed, cpu, frames = run(main(), timeout=120)
     with capsys.disabled():
         print(f"\nworker: {n / elapsed:,.0f} tasks/s, {cpu / n * 1e6:.1f} µs CPU per task, "
               f"{frames} report frames")
-    assert cpu / n < 60e-6
+    assert frames < n / 10
 
 
 # ---------------------------------------------------------------- with the real scheduler
@@ -792,14 +788,13 @@ def test_the_real_scheduler_closing_shuts_its_workers_down():
     run(main())
 
 
-def test_workers_speak_tls_to_the_scheduler_and_to_each_other(tmp_path):
+def test_workers_speak_tls_to_the_scheduler_and_to_each_other(self_signed_cert):
     import ssl
 
-    from test_comm import make_self_signed_cert
 
     from distributed_server.scheduler import Scheduler
 
-    cert, key = make_self_signed_cert(tmp_path)
+    cert, key = self_signed_cert
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(cert, key)
     client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cert)
