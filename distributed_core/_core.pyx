@@ -467,8 +467,9 @@ class SchedulerState:
             return self._end()
         created = self._create_tasks(new)
         ts: TaskState
-        for key in keys:
-            ts = self.tasks[key]
+        wanted = [self.tasks[key] for key in keys]
+        wanted.sort(key=_priority_of, reverse=True)  # recommendations pop LIFO
+        for ts in wanted:
             self._add_want(ts, cs)
         for ts in created:
             if ts.dependents is None and ts.who_wants is None:
@@ -784,6 +785,48 @@ class SchedulerState:
         del self.unrunnable[ts]
         self._assign(ts, ws)
 
+    def _transition_processing_waiting(self, ts: TaskState) -> None:
+        """Start over without leaving the active states: inputs keep their waiter counts,
+        so none of them is recommended 'released' on the way."""
+        ws: WorkerState = ts.processing_on
+        if self._input_erred(ts):
+            self._transition_processing_released(ts)
+            self._transition_released_waiting(ts)  # errs it
+            return
+        self._unassign(ts)
+        self._free_key(ws, ts.key)
+        self._rewait(ts)
+
+    def _transition_no_worker_waiting(self, ts: TaskState) -> None:
+        if self._input_erred(ts):
+            self._transition_no_worker_released(ts)
+            self._transition_released_waiting(ts)
+            return
+        del self.unrunnable[ts]
+        self._rewait(ts)
+
+    @cython.cfunc
+    def _input_erred(self, ts: TaskState) -> cython.bint:
+        dep: TaskState
+        for dep in ts.dependencies:
+            if dep.state == ERRED:
+                return True
+        return False
+
+    @cython.cfunc
+    def _rewait(self, ts: TaskState) -> None:
+        dep: TaskState
+        n: cython.Py_ssize_t = 0
+        for dep in ts.dependencies:
+            if dep.state != MEMORY:
+                n += 1
+                if dep.state == RELEASED:
+                    self._recs[dep] = WAITING
+        ts.state = WAITING
+        ts.n_waiting_on = n
+        if n == 0:
+            self._recs[ts] = PROCESSING
+
     def _transition_waiting_released(self, ts: TaskState) -> None:
         ts.n_waiting_on = 0
         self._deactivate(ts)
@@ -990,10 +1033,11 @@ class SchedulerState:
     def _add_holder(self, ts: TaskState, ws: WorkerState, nbytes: cython.Py_ssize_t) -> None:
         if ts.who_has is not None and ws in ts.who_has:
             return
+        if ts.who_has is None:
+            ts.nbytes = nbytes
         ts.who_has = _tuple_with(ts.who_has, ws)
-        ts.nbytes = nbytes
         ws.has_what.add(ts)
-        ws.nbytes += nbytes
+        ws.nbytes += ts.nbytes
 
     @cython.cfunc
     def _remove_holder(self, ts: TaskState, ws: WorkerState) -> None:
@@ -1036,11 +1080,16 @@ class SchedulerState:
         dts: TaskState
         if ts.dependents is None:
             return
+        ready = []
         for dts in ts.dependents:
             if dts.state == WAITING:
                 dts.n_waiting_on -= 1
                 if dts.n_waiting_on == 0:
-                    self._recs[dts] = PROCESSING
+                    ready.append(dts)
+        if len(ready) > 1:
+            ready.sort(key=_priority_of, reverse=True)  # recommendations pop LIFO
+        for dts in ready:
+            self._recs[dts] = PROCESSING
 
     @cython.cfunc
     def _error_msg(self, ts: TaskState) -> dict:
@@ -1106,9 +1155,14 @@ class SchedulerState:
                 if dep.who_has is not None:
                     for ws in dep.who_has:
                         local[ws] = local.get(ws, 0) + max(dep.nbytes, 0)
-            best = self._best_by_bytes(ts, local, True)
-            if best is None:
-                best = self._best_by_bytes(ts, local, False)
+            for strict in (True, False):
+                if not strict and not ts.loose_restrictions:
+                    break
+                best = self._best_by_bytes(ts, local, True, strict)
+                if best is None:
+                    best = self._best_by_bytes(ts, local, False, strict)
+                if best is not None:
+                    break
             return best
         if not restricted:
             return self._least_busy(self.idle.values(), ts, True)
@@ -1118,23 +1172,20 @@ class SchedulerState:
         return best
 
     @cython.cfunc
-    def _best_by_bytes(self, ts: TaskState, local: dict, holders_only: cython.bint) \
-            -> WorkerState:
+    def _best_by_bytes(self, ts: TaskState, local: dict, holders_only: cython.bint,
+                       strict: cython.bint) -> WorkerState:
         ws: WorkerState
         best: WorkerState = None
         best_bytes: cython.Py_ssize_t = -1
         best_load: cython.double = 0.0
         candidates = local if holders_only else self.workers.values()
-        for strict in (True, False):
-            for ws in candidates:
-                if ws.status != WORKER_RUNNING or not self._worker_fits(ws, ts, strict):
-                    continue
-                nbytes: cython.Py_ssize_t = local.get(ws, 0)
-                load: cython.double = ws.occupancy / ws.nthreads
-                if nbytes > best_bytes or (nbytes == best_bytes and load < best_load):
-                    best, best_bytes, best_load = ws, nbytes, load
-            if best is not None or not ts.loose_restrictions:
-                break
+        for ws in candidates:
+            if ws.status != WORKER_RUNNING or not self._worker_fits(ws, ts, strict):
+                continue
+            nbytes: cython.Py_ssize_t = local.get(ws, 0)
+            load: cython.double = ws.occupancy / ws.nthreads
+            if nbytes > best_bytes or (nbytes == best_bytes and load < best_load):
+                best, best_bytes, best_load = ws, nbytes, load
         return best
 
     @cython.cfunc
@@ -1257,6 +1308,11 @@ class SchedulerState:
             if not deps:
                 continue
             for dep in deps:
+                try:
+                    hash(dep)
+                except TypeError:
+                    raise GraphError(f"task {entry['key']!r}: dependency {dep!r} is not "
+                                     "hashable") from None
                 if dep in known:
                     continue
                 j = position.get(dep)
@@ -1265,6 +1321,10 @@ class SchedulerState:
                 if j >= i:
                     in_order = False
         for key in keys:
+            try:
+                hash(key)
+            except TypeError:
+                raise GraphError(f"wanted key {key!r} is not hashable") from None
             if key not in known and key not in position:
                 raise GraphError(f"wanted key {key!r} is not in the graph")
         return entries if in_order else _topological(entries, position, known)
@@ -1519,10 +1579,12 @@ _TRANSITIONS = {
     },
     NO_WORKER: {
         PROCESSING: SchedulerState._transition_no_worker_processing,
+        WAITING: SchedulerState._transition_no_worker_waiting,
         RELEASED: SchedulerState._transition_no_worker_released,
     },
     PROCESSING: {
         RELEASED: SchedulerState._transition_processing_released,
+        WAITING: SchedulerState._transition_processing_waiting,
         ERRED: SchedulerState._transition_processing_erred,
     },
     MEMORY: {

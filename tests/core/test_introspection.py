@@ -1,0 +1,160 @@
+"""Looking inside: story(), the bounded transition log, validate_state, memory left behind."""
+from __future__ import annotations
+
+import pytest
+from core_sim import Clock, Sim, states, task
+
+from distributed_core import InvariantError, SchedulerState
+
+
+def test_story_lists_a_tasks_transitions_with_stimulus_ids_and_times():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.clock.now = 10.0
+    sim.submit([task("x")], ["x"], stimulus_id="graph-x")
+    sim.clock.now = 12.5
+    sim.finish("x", stimulus_id="done-x")
+    assert sim.state.story("x") == [
+        ("x", "released", "waiting", "graph-x", 10.0),
+        ("x", "waiting", "processing", "graph-x", 10.0),
+        ("x", "processing", "memory", "done-x", 12.5),
+    ]
+
+
+def test_story_of_several_keys_keeps_the_order_they_happened_in():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x"), task("y", "x")], ["y"], stimulus_id="g")
+    sim.finish("x", stimulus_id="fx")
+    story = sim.state.story("x", "y")
+    assert [(key, finish, sid) for key, _, finish, sid, _ in story] == [
+        ("y", "waiting", "g"), ("x", "waiting", "g"), ("x", "processing", "g"),
+        ("x", "memory", "fx"), ("y", "processing", "fx")]
+    assert sim.state.story("unknown") == []
+
+
+def test_story_shows_a_move_through_released_as_two_steps():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"])
+    sim.finish("x")
+    sim.release(["x"], stimulus_id="bye")  # memory -> forgotten goes through released
+    assert [entry[1:4] for entry in sim.state.story("x")][-2:] == [
+        ("memory", "released", "bye"), ("released", "forgotten", "bye")]
+
+
+def test_transition_log_is_bounded():
+    sim = Sim(transition_log_length=5, worker_saturation=float("inf"))
+    sim.add_worker("A", 1)
+    sim.submit([task(f"t{i}") for i in range(10)], [f"t{i}" for i in range(10)])
+    sim.run_all()
+    log = sim.state.transition_log
+    assert len(log) == 5
+    assert sim.state.transition_counter == 30
+    assert all(finish == "memory" for _, _, finish, _, _ in log)
+
+
+def test_clock_is_only_the_one_passed_in():
+    clock = Clock(now=123.0)
+    state = SchedulerState(validate=True, clock=clock)
+    state.add_worker("A", 1, "join")
+    state.update_graph("c", [task("x")], ["x"], "g")
+    assert {entry[4] for entry in state.transition_log} == {123.0}
+
+
+# -- validate_state ------------------------------------------------------------------------
+
+
+def corrupted_sim() -> Sim:
+    """x in memory on A, y processing on A, z queued."""
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 1)
+    sim.submit([task("x"), task("y", "x")], ["y"])
+    sim.finish("x")
+    sim.submit([task("z")], ["z"])
+    assert states(sim.state) == {"x": "memory", "y": "processing", "z": "queued"}
+    sim.state.validate_state()
+    return sim
+
+
+def break_worker_bytes(state):
+    state.workers["A"].nbytes += 1
+
+
+def break_waiter_count(state):
+    state.tasks["x"].n_waiters += 1
+
+
+def break_task_state(state):
+    state.tasks["y"].state = "memory"
+
+
+def break_queue_count(state):
+    state.n_queued += 1
+
+
+def break_idle_set(state):
+    state.idle["A"] = state.workers["A"]
+
+
+def break_client_wants(state):
+    state.clients["c"].wants_what.add(state.tasks["x"])
+
+
+def break_holders(state):
+    state.workers["A"].has_what.discard(state.tasks["x"])
+
+
+CORRUPTIONS = [break_worker_bytes, break_waiter_count, break_task_state, break_queue_count,
+               break_idle_set, break_client_wants, break_holders]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=[f.__name__ for f in CORRUPTIONS])
+def test_validate_state_catches_a_corrupted_state(corrupt):
+    sim = corrupted_sim()
+    corrupt(sim.state)
+    with pytest.raises(InvariantError):
+        sim.state.validate_state()
+
+
+def test_every_stimulus_validates_when_validate_is_on():
+    sim = corrupted_sim()
+    break_worker_bytes(sim.state)
+    with pytest.raises(InvariantError, match="holds 1 bytes, counted 2"):
+        sim.state.add_client("other", "hello")
+
+
+def test_nothing_is_checked_when_validate_is_off():
+    sim = Sim(validate=False)
+    sim.add_worker("A", 1)
+    sim.state.workers["A"].nbytes = 99
+    assert sim.state.add_client("other", "hello") == ({}, {})
+
+
+# -- memory left behind --------------------------------------------------------------------
+
+
+def test_nothing_is_kept_after_a_large_graph_is_released():
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 2)
+    sim.add_worker("B", 2)
+    tasks = [task(f"r{i}") for i in range(200)]
+    tasks += [task(f"s{i}", f"r{i}", f"r{(i + 1) % 200}") for i in range(200)]
+    tasks += [task("restricted", workers=["nowhere"])]
+    keys = [f"s{i}" for i in range(200)] + ["restricted"]
+    sim.submit(tasks, keys)
+    for _ in range(50):
+        busy = next(a for a, computing in sim.computing.items() if computing)
+        sim.finish(*list(sim.computing[busy]), worker=busy)
+    counts = sim.state.task_counts()
+    assert counts["queued"] and counts["memory"] and counts["no-worker"] == 1
+    sim.release(keys)
+    assert sim.state.tasks == {}
+    assert len(sim.state.unrunnable) == 0
+    assert sim.state.n_queued == 0
+    assert not any(entry[4].state == "queued" for entry in sim.state.queued)
+    assert sim.state.task_counts() == dict.fromkeys(
+        ["released", "waiting", "queued", "no-worker", "processing", "memory", "erred"], 0)
+    for ws in sim.state.workers.values():
+        assert (len(ws.has_what), ws.nbytes, len(ws.processing)) == (0, 0, 0)
+    assert all(not data for data in sim.data.values())
