@@ -162,9 +162,17 @@ class WorkerState:
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
 @cython.final
+@cython.no_gc
 @cython.cclass
 class TaskState:
-    """One task: where it is in its life, what it needs, who needs it and who holds it."""
+    """One task: where it is in its life, what it needs, who needs it and who holds it.
+
+    Compiled, the cyclic garbage collector never walks tasks (``no_gc``): a large graph
+    would make every full collection visit every task. The references between tasks,
+    workers and clients form cycles, so the state machine breaks them itself: a
+    forgotten task refers to no other task, worker or client, and a SchedulerState that
+    is dropped cuts the links of the tasks it still holds.
+    """
 
     key: object
     prefix: TaskPrefix
@@ -270,7 +278,8 @@ _BYTES = (bytes, bytearray, memoryview)
 _SEQUENCE = (list, tuple)
 
 
-def _check_task_entry(i, entry) -> object:
+@cython.cfunc
+def _check_task_entry(i: cython.Py_ssize_t, entry) -> object:
     """Check one task dict of ``update_graph``; return its key or raise GraphError."""
     if type(entry) is not dict:
         raise GraphError(f"task #{i} is not a dict: {type(entry).__name__}")
@@ -284,7 +293,8 @@ def _check_task_entry(i, entry) -> object:
     return key
 
 
-def _check_new_task(key, entry) -> None:
+@cython.cfunc
+def _check_new_task(key, entry: dict) -> None:
     """Check the fields of a task dict whose key the scheduler does not know yet."""
     if not isinstance(entry.get("spec"), _BYTES):
         raise GraphError(f"task {key!r} has no run spec (bytes)")
@@ -331,6 +341,7 @@ class SchedulerState:
     workers: dict
     clients: dict
     prefixes: dict
+    _prefix_of_name: dict  # key[0] of tuple keys -> TaskPrefix
     idle: dict  # address -> WorkerState that is not saturated
     queued: list  # heap of (priority_user, generation, order, seq, TaskState)
     n_queued: cython.Py_ssize_t
@@ -357,12 +368,13 @@ class SchedulerState:
     def __init__(self, *, validate: bool = False, worker_saturation: float = 1.1,
                  queue_horizon: float = 0.05, allowed_failures: int = 3, default_duration: float = 0.5,
                  transition_log_length: int = 100_000, clock=None):
+        self.tasks = {}
         if not worker_saturation > 0:
             raise ValueError(f"worker_saturation must be positive, not {worker_saturation!r}")
-        self.tasks = {}
         self.workers = {}
         self.clients = {}
         self.prefixes = {}
+        self._prefix_of_name = {}
         self.idle = {}
         self.queued = []
         self.n_queued = 0
@@ -386,6 +398,18 @@ class SchedulerState:
     def __repr__(self):
         return (f"<SchedulerState tasks={len(self.tasks)} workers={len(self.workers)} "
                 f"clients={len(self.clients)}>")
+
+    def __del__(self):
+        # Tasks are invisible to the cyclic GC: cut their links so refcounting frees them.
+        ts: TaskState
+        for ts in self.tasks.values():
+            ts.dependencies = _NO_DEPENDENCIES
+            ts.dependents = None
+            ts.who_wants = None
+            ts.who_has = None
+            ts.processing_on = None
+        self.queued = []
+        self.unrunnable = {}
 
     # ------------------------------------------------------------------ stimuli
 
@@ -752,7 +776,8 @@ class SchedulerState:
         ts.n_waiting_on = n
         self._enter_active(ts)
         if n == 0:
-            self._recs[ts] = PROCESSING
+            self._recs[ts] = QUEUED if not self.idle and self._queue_eligible(ts) \
+                else PROCESSING
 
     def _transition_waiting_processing(self, ts: TaskState) -> None:
         ws: WorkerState = self._decide_worker(ts)
@@ -955,7 +980,18 @@ class SchedulerState:
 
     @cython.cfunc
     def _prefix_for(self, key) -> TaskPrefix:
-        name = key_prefix(key)
+        prefix: TaskPrefix
+        if type(key) is tuple and key:
+            # Chunks of one dask layer share key[0]: compute its prefix once.
+            prefix = self._prefix_of_name.get(key[0])
+            if prefix is None:
+                prefix = self._prefix_named(key_prefix(key))
+                self._prefix_of_name[key[0]] = prefix
+            return prefix
+        return self._prefix_named(key_prefix(key))
+
+    @cython.cfunc
+    def _prefix_named(self, name: str) -> TaskPrefix:
         prefix: TaskPrefix = self.prefixes.get(name)
         if prefix is None:
             prefix = TaskPrefix(name)
