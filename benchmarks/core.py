@@ -344,7 +344,7 @@ def measure_held(dc, workload: Workload) -> dict:
         result = state.update_graph(CLIENT, workload.tasks, workload.wanted, "update-graph")
         del result
         total = _traced() - base
-        state.transition_log.clear()
+        state.clear_transition_log()
         without_log = _traced() - base
     finally:
         tracemalloc.stop()
@@ -367,7 +367,7 @@ def measure_in_memory(dc, workload: Workload) -> dict:
         driver.submit(workload)
         driver.compute()
         total = _traced() - base
-        state.transition_log.clear()
+        state.clear_transition_log()
         without_log = _traced() - base
     finally:
         tracemalloc.stop()

@@ -30,7 +30,6 @@ except ImportError:  # the pure-Python install runs without Cython
 
 import heapq
 import math
-from collections import deque
 from typing import Optional
 
 COMPILED: bool = cython.compiled
@@ -352,7 +351,9 @@ class SchedulerState:
     allowed_failures: cython.Py_ssize_t
     default_duration: cython.double
     clock: object
-    transition_log: object
+    _log_entries: list  # ring buffer of (key, start, finish, stimulus_id, time)
+    _log_capacity: cython.Py_ssize_t
+    _log_next: cython.Py_ssize_t
     transition_counter: cython.Py_ssize_t
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
@@ -385,7 +386,9 @@ class SchedulerState:
         self.allowed_failures = allowed_failures
         self.default_duration = default_duration
         self.clock = clock if clock is not None else _zero_clock
-        self.transition_log = deque(maxlen=transition_log_length)
+        self._log_entries = []
+        self._log_capacity = transition_log_length
+        self._log_next = 0
         self.transition_counter = 0
         self.generation = 0
         self.queue_seq = 0
@@ -677,6 +680,19 @@ class SchedulerState:
                 out[key] = [ws.address for ws in ts.who_has]
         return out
 
+    @property
+    def transition_log(self) -> list:
+        """The latest transitions, oldest first: ``(key, start, finish, stimulus_id, time)``.
+
+        Bounded by ``transition_log_length``; a copy, so reading it changes nothing."""
+        entries = self._log_entries
+        return entries[self._log_next:] + entries[:self._log_next]
+
+    def clear_transition_log(self) -> None:
+        """Forget the logged transitions (the counter keeps counting)."""
+        self._log_entries = []
+        self._log_next = 0
+
     def story(self, *keys) -> list:
         """The logged transitions of these keys: ``(key, start, finish, stimulus_id, time)``."""
         wanted = set(keys)
@@ -750,7 +766,12 @@ class SchedulerState:
     def _log(self, ts: TaskState, start: str) -> None:
         if ts.state != start:
             self.transition_counter += 1
-            self.transition_log.append((ts.key, start, ts.state, self._stimulus_id, self._now))
+            entry = (ts.key, start, ts.state, self._stimulus_id, self._now)
+            if len(self._log_entries) < self._log_capacity:
+                self._log_entries.append(entry)
+            elif self._log_capacity > 0:
+                self._log_entries[self._log_next] = entry
+                self._log_next = (self._log_next + 1) % self._log_capacity
 
     # ------------------------------------------------------------------ transitions
 

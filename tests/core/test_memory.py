@@ -52,7 +52,7 @@ def test_forgotten_tasks_free_their_memory():
         state.update_graph("client", _diamonds(2_000), [f"d-{i}" for i in range(2_000)], "s")
         held = tracemalloc.get_traced_memory()[0] - before
         state.remove_client("client", "bye")
-        state.transition_log.clear()
+        state.clear_transition_log()
         assert not state.tasks
         gc.collect()
         left = tracemalloc.get_traced_memory()[0] - before
