@@ -38,6 +38,16 @@ cloudpickle. `submit` builds its spec the same way, so ``submit(f, x)`` and
 At interpreter exit an open client just drops its connection (the scheduler releases
 its keys as on ``close-client``) and stops the LocalCluster it owns.
 
+dask collections
+----------------
+With dask installed (the ``dask`` extra), `get` is a dask scheduler
+(``dask.compute(x, scheduler=client.get)``), `compute` and `persist` take dask
+collections, and a client made with ``set_as_default=True`` is dask's default scheduler
+until it closes. The graph is materialized, ordered and pickled here, in slices, by
+`dask_support`; `_send_plan` sends the slices one at a time, holding the outbox meanwhile
+so that nothing queued later overtakes them. Without dask these methods raise an
+ImportError naming the extra, and `get` converts dict graphs itself (`_LegacyGraph`).
+
 Errors
 ------
 `CancelledError` is ``concurrent.futures.CancelledError`` (an ``Exception``; asyncio's is a
@@ -61,11 +71,13 @@ import pickle
 import random
 import struct
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from . import dask_support
 from .comm import Blob, Comm, CommClosedError, connect
 from .serialize import (
     Call,
@@ -278,6 +290,10 @@ class Future:
 
     __slots__ = ("__weakref__", "_held", "_state", "client", "key")
 
+    #: dask treats objects with this flag as futures: inside a graph (e.g. a persisted
+    #: collection's ``{key: future}``) a future stands for its key's value.
+    __dask_future__ = True
+
     def __init__(self, key, client: Client | None = None) -> None:
         client = client if client is not None else default_client()
         self._state = client._hold_key(key)
@@ -356,6 +372,9 @@ class Future:
     def __reduce__(self):
         raise TypeError("a Future cannot be pickled: pass it in a task's arguments (also "
                         "inside lists, tuples, sets and dicts) and the task gets its result")
+
+    def __dask_tokenize__(self):
+        return ("distributed_server.Future", self.key)
 
     def __repr__(self) -> str:
         state = self._state
@@ -750,6 +769,14 @@ class Client:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
         self._finalizer: weakref.finalize | None = None
+        # dask graphs: one is sent at a time (_graph_lock, made on the loop); while one
+        # is being sent the outbox is held (_outbox_held), so nothing queued after it
+        # overtakes its slices; _refusals counts graph-refused messages
+        self._graph_lock: asyncio.Lock | None = None
+        self._outbox_held = 0
+        self._refusals = 0
+        self._background_sends: set = set()
+        self._dask_default = None  # a dask_support.DefaultScheduler while we are dask's
         self._handlers = {
             "key-in-memory": self._handle_key_in_memory,
             "task-erred": self._handle_task_erred,
@@ -817,6 +844,11 @@ class Client:
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._cluster)
         if self._set_as_default:
             _default_client = self
+            if dask_support.dask_available():
+                try:
+                    self._dask_default = dask_support.DefaultScheduler(self)
+                except Exception:  # dask is broken: the client works without it
+                    logger.exception("could not make %s dask's default scheduler", self.id)
 
     def __await__(self):
         return self._start_async().__await__()
@@ -865,6 +897,9 @@ class Client:
         global _default_client
         if _default_client is self:
             _default_client = None
+        if self._dask_default is not None:
+            self._dask_default, default = None, self._dask_default
+            default.undo()
         self.status = _CLOSED
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -929,8 +964,14 @@ class Client:
             self._post(state)
 
     def _drain_outbox(self) -> None:
-        """Send what the outbox holds, in order; consecutive releases share a message."""
+        """Send what the outbox holds, in order; consecutive releases share a message.
+
+        Nothing is sent while a dask graph is being sent in slices (`_outbox_held`); the
+        outbox is drained when it is done.
+        """
         self._drain_scheduled = False
+        if self._outbox_held:
+            return
         outbox = self._outbox
         released: list = []
         while outbox:
@@ -1085,6 +1126,7 @@ class Client:
                 state.settle(CANCELLED)
 
     def _handle_graph_refused(self, msg: dict) -> None:
+        self._refusals += 1
         error = functools.partial(GraphRefusedError, f"the scheduler refused the graph: "
                                                      f"{msg['error']}")
         for key in msg["keys"]:
@@ -1162,18 +1204,242 @@ class Client:
             futures.extend(self._register(tasks[start:start + step]))
         return futures
 
-    def get(self, graph: dict, keys, *, retries: int = 0, priority: int = 0, workers=None,
-            resources: dict | None = None, allow_other_workers: bool = False):
-        """Compute a dict graph of legacy ``(func, *args)`` tasks; return the values of
-        ``keys`` (one key, or nested lists of keys) in the same shape."""
+    def get(self, dsk, keys, *, retries: int = 0, priority: int = 0, workers=None,
+            resources: dict | None = None, allow_other_workers: bool = False, **kwargs):
+        """Compute a graph; return the values of ``keys`` (one key, or nested lists of
+        keys) in the same shape. This is a dask scheduler:
+        ``dask.compute(x, scheduler=client.get)``.
+
+        ``dsk`` is what dask hands a scheduler (an expression), a dask collection, a
+        HighLevelGraph, or a dict graph of legacy ``(func, *args)`` tuples. With dask
+        installed every graph goes through dask's conversion and ordering (see
+        `dask_support`); without it a dict graph is converted here. The options apply
+        to every task; dask annotations (``with dask.annotate(...)``) override them.
+        """
+        if kwargs:
+            raise TypeError(f"get() got unexpected keyword arguments {sorted(kwargs)}")
+        options = _task_options(retries, priority, workers, resources, allow_other_workers)
+        if not dask_support.dask_available():
+            if not isinstance(dsk, dict):
+                raise ImportError(dask_support.DASK_REQUIRED)
+            return self._get_legacy(dsk, keys, options)
+        futures, submission = self._dask_graph_futures(dsk, keys, options)
+        return self._sync(self._send_then_gather, submission, futures)
+
+    def _get_legacy(self, graph: dict, keys, options: dict):
+        """`get` without dask: a dict graph of legacy tuples converted by _LegacyGraph."""
         wanted = _flatten_keys(keys)
         unknown = [k for k in wanted if k not in graph]
         if unknown:
             raise KeyError(f"keys not in the graph: {unknown[:5]!r}")
-        options = _task_options(retries, priority, workers, resources, allow_other_workers)
         futures = self._register(_LegacyGraph(graph).tasks(options), wanted)
         by_key = dict(zip(wanted, futures))
         return self._sync(self._gather, _keys_to_futures(keys, by_key), "raise")
+
+    # ------------------------------------------------------------ dask collections
+
+    def compute(self, collections, sync: bool = False, optimize_graph: bool = True, *,
+                retries: int = 0, priority: int = 0, workers=None,
+                resources: dict | None = None, allow_other_workers: bool = False):
+        """Start computing dask collections; a Future of each one's final value.
+
+        One collection gives one Future; a list (tuple, set) of them gives a list, with
+        anything that is not a dask collection passed through. ``sync=True`` returns the
+        values instead (as `gather`). Returns once the graph is sent to the scheduler
+        (an asynchronous client sends it in the background). Options as in `submit`;
+        dask annotations override them per task. Needs dask.
+        """
+        dask = dask_support.require_dask()
+        options = _task_options(retries, priority, workers, resources, allow_other_workers)
+        singleton = not isinstance(collections, (list, tuple, set, frozenset))
+        items = [collections] if singleton else list(collections)
+        scheduler = functools.partial(_futures_scheduler, self, options)
+        futures = list(dask.compute(*items, scheduler=scheduler, optimize_graph=optimize_graph))
+        result = futures[0] if singleton else futures
+        return self.gather(result) if sync else result
+
+    def persist(self, collections, optimize_graph: bool = True, *, retries: int = 0,
+                priority: int = 0, workers=None, resources: dict | None = None,
+                allow_other_workers: bool = False):
+        """Start computing dask collections and keep their pieces on the workers.
+
+        Returns the same kind of collection (a list for a list), whose graph holds the
+        futures of its keys: later computations reuse those results instead of
+        recomputing them, and the results are released when the collection is garbage
+        collected. Returns once the graph is sent. Needs dask.
+        """
+        dask = dask_support.require_dask()
+        options = _task_options(retries, priority, workers, resources, allow_other_workers)
+        singleton = not isinstance(collections, (list, tuple, set, frozenset))
+        items = [collections] if singleton else list(collections)
+        scheduler = functools.partial(_futures_scheduler, self, options)
+        persisted = list(dask.persist(*items, scheduler=scheduler,
+                                      optimize_graph=optimize_graph))
+        return persisted[0] if singleton else persisted
+
+    def _dask_submit(self, dsk, keys, options: dict) -> list:
+        """Futures for ``keys`` (a flat list) of a dask graph; sends the graph (in the
+        background for an asynchronous client)."""
+        futures, submission = self._dask_graph_futures(dsk, keys, options)
+        if submission is not None:
+            if self.asynchronous:
+                self._send_in_background(submission)
+            else:
+                self._sync(self._send_plan, *submission)
+        return futures
+
+    def _dask_graph_futures(self, dsk, keys, options: dict) -> tuple:
+        """Materialize, order and plan a dask graph for ``keys``.
+
+        Returns ``(futures shaped like keys, submission or None)``; the submission,
+        ``(plan, holds, new states)``, is for `_send_plan`. Keys this client holds already
+        are not sent again and the graph is cut there. Held keys the graph depends on
+        are held (``holds``) until it is sent, so nothing releases them meanwhile.
+        """
+        with dask_support.gc_paused():
+            graph = dask_support.materialize(dsk)
+        nodes = graph.nodes
+        flat = _flatten_keys(keys)
+        wanted = list(dict.fromkeys(flat))
+        with self._lock:
+            self._check_running()
+            held = self._states
+            new = [k for k in wanted if k not in held]
+            missing = [k for k in new if k not in nodes]
+            if missing:
+                raise KeyError(f"keys not in the graph: {missing[:5]!r}")
+            known = held.keys() & nodes.keys()
+            first_holds = [held[k] for k in known]
+            for state in first_holds:
+                state.refs += 1
+            by_key = {}
+            created = []
+            for key in wanted:
+                state = held.get(key)
+                if state is None:
+                    state = held[key] = _KeyState(key)
+                    created.append(state)
+                state.refs += 1
+                by_key[key] = Future._attach(state, self)
+        futures = _keys_to_futures(keys, by_key)
+        try:
+            if not new:
+                return futures, None
+            with dask_support.gc_paused():
+                plan = dask_support.GraphPlan(graph, new, known, options, wire=_wire_spec)
+            with self._lock:
+                holds = [held[k] for k in plan.external if k in held]
+                for state in holds:
+                    state.refs += 1
+        finally:
+            for state in first_holds:
+                self._release_later(state)
+        return futures, (plan, holds, created)
+
+    async def _send_then_gather(self, submission, futures):
+        if submission is not None:
+            await self._send_plan(*submission)
+        return await self._gather(futures, "raise")
+
+    def _send_in_background(self, submission) -> None:
+        coro = self._send_plan(*submission)
+        if self._on_loop():
+            task = self._loop.create_task(coro)
+        else:
+            task = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._background_sends.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self._background_sends.discard)
+        task.add_done_callback(_log_background_failure)
+
+    async def _send_plan(self, plan, holds: list, created: list) -> None:
+        """Send a planned dask graph: slice by slice, one update-graph at a time.
+
+        The next slice is pickled while the scheduler takes in the previous one; a
+        ``who-has`` request after each slice paces the sending, so the scheduler handles
+        one slice per turn of its event loop and serves heartbeats and other clients in
+        between. Slice sizes follow the time from sending a slice to that answer (which
+        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier keys are wanted only until their last
+        dependent is sent (`dask_support.SlicePart`). Failures fail the new keys.
+        """
+        if self._graph_lock is None:
+            self._graph_lock = asyncio.Lock()
+        async with self._graph_lock:
+            self._drain_outbox()  # what was queued before this graph goes first
+            self._outbox_held += 1
+            temporary: set = set()
+            try:
+                refusals = self._refusals
+                ack = None
+                sent_at, n_sent = 0.0, 0
+                pending = self._encode_soon(plan)
+                while pending is not None:
+                    part = await pending
+                    pending = None if plan.done else self._encode_soon(plan)
+                    if ack is not None:
+                        await ack
+                        taken = time.monotonic() - sent_at
+                        logger.debug("graph slice of %d tasks taken in by the scheduler "
+                                     "in %.1f ms", n_sent, 1e3 * taken)
+                        plan.adapt(n_sent, taken)
+                        if self._refusals != refusals:
+                            raise GraphRefusedError("the scheduler refused part of the "
+                                                    "graph; the rest was not sent")
+                    self._check_running()
+                    self._send_now({"op": "update-graph", "tasks": part.tasks,
+                                    "keys": part.keys})
+                    sent_at, n_sent = time.monotonic(), len(part.tasks)
+                    temporary.update(part.temporary)
+                    if part.release:
+                        temporary.difference_update(part.release)
+                        self._release_temporary(part.release)
+                    if pending is not None:
+                        ack = self._ping()
+            except BaseException as exc:
+                error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
+                    f"sending the graph was interrupted: {exc!r}")
+                for state in created:
+                    if state.status == PENDING:
+                        state.fail(functools.partial(_same_error, error), None)
+                raise
+            finally:
+                if temporary and self.status == _RUNNING:
+                    self._release_temporary(temporary)
+                self._outbox_held -= 1
+                if not self._outbox_held:
+                    self._drain_outbox()
+                for state in holds:
+                    self._release_later(state)
+
+    def _encode_soon(self, plan) -> asyncio.Future:
+        """The next slice of ``plan``, pickled right here on the loop.
+
+        Not in a thread: two busy threads of one process share the GIL badly (pickling
+        in a thread took three times as long, and held back the loop's own work). The
+        scheduler takes in the previous slice meanwhile, in its own process.
+        """
+        future = self._loop.create_future()
+        try:
+            future.set_result(plan.encode_next())
+        except Exception as exc:  # noqa: BLE001 - raised where the slice is awaited
+            future.set_exception(exc)
+        return future
+
+    def _ping(self) -> asyncio.Future:
+        """An empty who-has request, sent now; its reply says the scheduler has handled
+        everything sent before it."""
+        reqid = next(self._reqids)
+        reply = self._loop.create_future()
+        self._replies[reqid] = reply
+        self._send_now({"op": "who-has", "reqid": reqid, "keys": []})
+        return reply
+
+    def _release_temporary(self, keys) -> None:
+        """Release frontier keys the client wanted only while its graph was sent (keys it
+        holds futures of meanwhile stay wanted)."""
+        with self._lock:
+            keys = [key for key in keys if key not in self._states]
+        if keys:
+            self._send_now({"op": "release-keys", "keys": keys})
 
     # ------------------------------------------------------------ results
 
@@ -1493,6 +1759,27 @@ def _keys_to_futures(keys, by_key: dict):
     if type(keys) is list:
         return [_keys_to_futures(k, by_key) for k in keys]
     return by_key[keys]
+
+
+def _futures_scheduler(client: Client, options: dict, dsk, keys, **kwargs) -> list:
+    """A dask scheduler function that returns the keys' futures instead of their values
+    (what `Client.compute` and `Client.persist` hand to ``dask.compute``/``dask.persist``;
+    a partial of it has no ``__self__``, so dask does not take it for a client)."""
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    return client._dask_submit(dsk, keys, options)
+
+
+def _same_error(error: BaseException) -> BaseException:
+    return error
+
+
+def _log_background_failure(task) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.error("sending a dask graph failed: %r", exc)
 
 
 def _plan_fetch(who_has: dict, keys: Iterable, tried: dict) -> dict[str, list]:
