@@ -67,6 +67,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import os
 import pickle
 import random
 import struct
@@ -1371,10 +1372,8 @@ class Client:
                 refusals = self._refusals
                 ack = None
                 sent_at, n_sent = 0.0, 0
-                pending = self._encode_soon(plan)
-                while pending is not None:
-                    part = await pending
-                    pending = None if plan.done else self._encode_soon(plan)
+                part = await self._encode(plan)
+                while True:
                     if ack is not None:
                         await ack
                         taken = time.monotonic() - sent_at
@@ -1392,8 +1391,10 @@ class Client:
                     if part.release:
                         temporary.difference_update(part.release)
                         self._release_temporary(part.release)
-                    if pending is not None:
-                        ack = self._ping()
+                    if plan.done:
+                        break
+                    ack = self._ping()
+                    part = await self._encode(plan)  # while the scheduler takes it in
             except BaseException as exc:
                 error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
                     f"sending the graph was interrupted: {exc!r}")
@@ -1410,19 +1411,11 @@ class Client:
                 for state in holds:
                     self._release_later(state)
 
-    def _encode_soon(self, plan) -> asyncio.Future:
-        """The next slice of ``plan``, pickled right here on the loop.
-
-        Not in a thread: two busy threads of one process share the GIL badly (pickling
-        in a thread took three times as long, and held back the loop's own work). The
-        scheduler takes in the previous slice meanwhile, in its own process.
-        """
-        future = self._loop.create_future()
-        try:
-            future.set_result(plan.encode_next())
-        except Exception as exc:  # noqa: BLE001 - raised where the slice is awaited
-            future.set_exception(exc)
-        return future
+    async def _encode(self, plan):
+        """The next slice of ``plan``."""
+        if os.environ.get("DC_ENCODE_THREAD") and min(plan.remaining, plan.slice_tasks) > 500:
+            return await self._loop.run_in_executor(None, plan.encode_next)
+        return plan.encode_next()
 
     def _ping(self) -> asyncio.Future:
         """An empty who-has request, sent now; its reply says the scheduler has handled
