@@ -1,0 +1,600 @@
+"""Dask collections on distributed-core: from a dask expression to update-graph slices.
+
+dask is optional. Nothing here imports it at module import time; every function that
+needs it calls `require_dask`, which raises an ImportError naming the extra to install.
+
+What this module does (all of it on the client)
+-----------------------------------------------
+- `materialize`: what dask hands a scheduler (an expression, a HighLevelGraph or a plain
+  dict of legacy ``(func, *args)`` tuples) becomes one dict of dask task-spec nodes
+  (``Task``, ``DataNode``, ``Alias``; nested containers stay inside their ``Task``):
+  ``__dask_graph__()`` if it is not a mapping, then dask's own
+  ``convert_legacy_graph``. Annotations come from ``__dask_annotations__()`` (the
+  expression collects them from its HighLevelGraph layers; dataframe expressions have
+  none, as in dask itself).
+- `GraphPlan`: orders the nodes with ``dask.order.order`` (dask's own priorities, sent as
+  each task's ``order``), keeps only what the wanted keys need when the client already
+  holds some keys of the graph, and encodes the tasks slice by slice, dependencies
+  first: each task dict holds the key, the pickled node (the run spec), the dependency
+  keys, the order and the options/annotations the scheduler understands.
+- Slices: a graph larger than `SLICE_TASKS` tasks (or `SLICE_BYTES` of specs) goes out
+  as several update-graph messages, so the scheduler serves heartbeats and other
+  clients between them. The client sends a slice once the scheduler has answered a
+  request sent after the previous one, and sizes slices (`GraphPlan.adapt`) so that
+  the scheduler takes about `SLICE_SECONDS` over each: with the compiled core that is
+  the largest size, with the interpreted one a few thousand tasks. The scheduler forgets at once a task that nobody wants and
+  that has no dependents yet, so a slice also wants, temporarily, its "frontier": the
+  keys whose dependents come in a later slice. Each is released right after the slice
+  holding its last dependent (see `SlicePart.release`).
+- `SpecPickler`: a node is pickled with the standard pickler (no Python callback per
+  object) unless it refers to something a worker cannot import — ``__main__`` or a
+  module registered with ``cloudpickle.register_pickle_by_value``, found by looking for
+  those module names in the pickle — or the standard pickler fails (lambdas, local
+  functions); then cloudpickle pickles it by value.
+- `gc_paused`: the cyclic garbage collector is off while a graph is materialized,
+  planned and pickled (the objects made then live until the graph is sent).
+- `DefaultScheduler`: makes a Client dask's default scheduler (``dask.config``
+  ``scheduler``), with the task-based dataframe shuffle unless one is configured, and
+  undoes it when the client closes.
+
+A worker runs a spec as it runs every spec: ``pickle.loads(spec)(deps)``. A dask node
+called with ``{dependency key: value}`` computes its value, so workers need dask (and
+whatever the graph's functions import) but no code of their own for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+import importlib.util
+import io
+import logging
+import pickle
+import types
+from collections.abc import Callable, Mapping
+
+import cloudpickle
+
+logger = logging.getLogger("distributed_server.dask_support")
+
+DASK_REQUIRED = 'this needs dask: pip install "distributed-core[dask]"'
+
+#: Tasks per update-graph message at most; larger graphs are sent in slices.
+SLICE_TASKS = 10_000
+#: Size of a sliced graph's first slice, and the least any slice is cut down to.
+SLICE_FIRST_TASKS = 2_000
+SLICE_MIN_TASKS = 500
+#: Scheduler time (seconds) a slice should take; slice sizes follow the measured rate.
+SLICE_SECONDS = 0.1
+#: Run-spec bytes per update-graph message (a slice ends at whichever comes first).
+SLICE_BYTES = 64 * 1024 * 1024
+
+_TASK_FIELDS = ("workers", "allow_other_workers", "resources", "priority", "retries")
+_PLAIN_SCALARS = (str, int, float, bool, type(None), bytes)
+
+_dask_found: bool | None = None
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic garbage collection inside (if it was on): materializing and ordering a
+    large graph creates long-lived objects by the hundred thousand, and every full
+    collection meanwhile would walk all of them (a quarter of the time for 200,000
+    tasks). Objects freed by reference counting are freed as usual."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def dask_available() -> bool:
+    """Whether dask can be imported (without importing it)."""
+    global _dask_found
+    if _dask_found is None:
+        try:
+            _dask_found = importlib.util.find_spec("dask") is not None
+        except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["dask"] = None
+            _dask_found = False
+    return _dask_found
+
+
+def require_dask():
+    """Import dask, or raise an ImportError that says how to install it."""
+    try:
+        import dask
+        import dask._task_spec  # the node API this module relies on
+        import dask.order
+    except ImportError as exc:
+        raise ImportError(DASK_REQUIRED) from exc
+    return dask
+
+
+def is_dask_collection(obj) -> bool:
+    """Whether ``obj`` is a dask collection or expression (imports nothing)."""
+    return not isinstance(obj, type) and callable(getattr(obj, "__dask_graph__", None))
+
+
+# ---------------------------------------------------------------------------- materialize
+
+
+class DaskGraph:
+    """A materialized dask graph: ``nodes`` (key -> task-spec node) and ``annotations``
+    (annotation name -> {key: value})."""
+
+    __slots__ = ("annotations", "nodes")
+
+    def __init__(self, nodes: dict, annotations: dict) -> None:
+        self.nodes = nodes
+        self.annotations = annotations
+
+
+def materialize(obj) -> DaskGraph:
+    """The task-spec nodes of an expression, a collection, a HighLevelGraph or a dict."""
+    dask = require_dask()
+    from dask._task_spec import convert_legacy_graph
+
+    annotations: dict = {}
+    if isinstance(obj, Mapping):
+        dsk = obj
+        layers = getattr(obj, "layers", None)  # a HighLevelGraph keeps them per layer
+        if layers is not None:
+            annotations = _layer_annotations(layers)
+    elif is_dask_collection(obj):
+        if _has_layer_annotations(obj):
+            # dask.array's low-level fusion returns a plain dict with new keys: the
+            # annotations of its layers would be lost (they are in dask.distributed)
+            with dask.config.set({"optimization.fuse.active": False}):
+                dsk = obj.__dask_graph__()
+        else:
+            dsk = obj.__dask_graph__()
+        get_annotations = getattr(obj, "__dask_annotations__", None)
+        if get_annotations is not None:
+            annotations = get_annotations() or {}
+        elif hasattr(dsk, "layers"):
+            annotations = _layer_annotations(dsk.layers)
+    else:
+        raise TypeError(f"expected a dask collection, expression or graph (a dict), "
+                        f"got {type(obj).__name__}")
+    return DaskGraph(convert_legacy_graph(dsk), annotations)
+
+
+def _has_layer_annotations(expr) -> bool:
+    """Whether an expression holds HighLevelGraph layers with annotations (dask.array
+    and dask.delayed keep ``dask.annotate`` there; dataframe expressions ignore it)."""
+    find = getattr(expr, "find_operations", None)
+    if find is None:
+        return False
+    from dask._expr import HLGExpr
+
+    for hlg_expr in find(HLGExpr):
+        layers = getattr(hlg_expr.hlg, "layers", None) or {}
+        if any(getattr(layer, "annotations", None) for layer in layers.values()):
+            return True
+    return False
+
+
+def _layer_annotations(layers: Mapping) -> dict:
+    """``{name: {key: value}}`` from HighLevelGraph layers (callables are called per
+    key)."""
+    out: dict = {}
+    for layer in layers.values():
+        annotations = getattr(layer, "annotations", None)
+        if not annotations:
+            continue
+        get_keys = getattr(layer, "get_output_keys", None)
+        keys = get_keys() if get_keys is not None else layer.keys()
+        for name, value in annotations.items():
+            by_key = out.setdefault(name, {})
+            for key in keys:
+                by_key[key] = value(key) if callable(value) else value
+    return out
+
+
+# ---------------------------------------------------------------------------- pickling
+
+
+class SpecPickler:
+    """Pickles nodes: the standard pickler when the result is usable on a worker,
+    cloudpickle (by value) otherwise. Not thread-safe; one per graph.
+
+    dask recognizes only its own futures as arguments of a task; ours, placed in a
+    task's arguments as plain values (``delayed(f)(future)``, ``delayed(f)([future])``),
+    cannot be pickled. Such a node is rebuilt with ``Alias(key)`` in place of each
+    future (`_with_future_refs`) and `dumps` leaves those keys in ``found`` (else None):
+    dependencies of the task that the original node did not list.
+    """
+
+    def __init__(self) -> None:
+        names = ["__main__", *cloudpickle.list_registry_pickle_by_value()]
+        self.markers = [name.encode() for name in names]
+        self.count = 0
+        self.by_value = 0
+        self.found: list | None = None
+        self._buffer = io.BytesIO()
+        self._cloud = _CachingPickler(self._buffer)
+
+    def dumps(self, node) -> bytes:
+        self.count += 1
+        self.found = None
+        if self.by_value > 64 and 2 * self.by_value > self.count:
+            return self._by_value(node)  # most of this graph needs cloudpickle
+        try:
+            spec = pickle.dumps(node, protocol=5)
+        except Exception:  # noqa: BLE001 - lambdas, local functions, futures...
+            return self._by_value(node)
+        for marker in self.markers:
+            if marker in spec:  # refers to __main__ or a by-value module: not importable
+                return self._by_value(node)
+        return spec
+
+    def _by_value(self, node) -> bytes:
+        self.by_value += 1
+        try:
+            return self._cloudpickle(node)
+        except Exception:
+            found: list = []
+            rebuilt = _with_future_refs(node, found)
+            if not found:
+                raise
+            self.found = found
+            return self._cloudpickle(rebuilt)
+
+    def _cloudpickle(self, node) -> bytes:
+        buffer, pickler = self._buffer, self._cloud
+        buffer.seek(0)
+        buffer.truncate()
+        pickler.clear_memo()
+        pickler.dump(node)
+        return buffer.getvalue()
+
+
+class _CachingPickler(cloudpickle.Pickler):
+    """cloudpickle that pickles each function it must pickle by value (``__main__``,
+    lambdas, by-value modules) once: later specs embed the same bytes, which the worker
+    turns back into the function with ``pickle.loads``. A graph of 100,000 calls of a
+    function defined in ``__main__`` pickles it once instead of 100,000 times."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=5)
+        self._functions: dict = {}
+
+    def reducer_override(self, obj):
+        if type(obj) is not types.FunctionType:
+            return super().reducer_override(obj)
+        reduced = self._functions.get(obj, _MISSING)
+        if reduced is _MISSING:
+            if super().reducer_override(obj) is NotImplemented:
+                reduced = NotImplemented  # importable: pickled by reference
+            else:
+                reduced = (pickle.loads, (cloudpickle.dumps(obj, protocol=5),))
+            self._functions[obj] = reduced
+        return reduced
+
+
+def _is_future(obj) -> bool:
+    return getattr(type(obj), "__dask_future__", False) is True and hasattr(obj, "key")
+
+
+def _with_future_refs(obj, found: list):
+    """``obj`` with every future (in task arguments, nested containers and tasks)
+    replaced by ``Alias(key)``; the keys are appended to ``found``."""
+    from dask._task_spec import Alias, GraphNode, Task, TaskRef, parse_input
+
+    if _is_future(obj) and not isinstance(obj, TaskRef):
+        found.append(obj.key)
+        return Alias(obj.key)
+    typ = type(obj)
+    if typ in (list, tuple, set, frozenset):
+        items = [_with_future_refs(item, found) for item in obj]
+        if any(isinstance(item, GraphNode) for item in items):
+            return parse_input(list(items) if typ is list else typ(items))
+        return obj
+    if typ is dict:
+        values = {k: _with_future_refs(v, found) for k, v in obj.items()}
+        return parse_input(values) if any(isinstance(v, GraphNode)
+                                          for v in values.values()) else obj
+    if isinstance(obj, Task):
+        n = len(found)
+        args = [_with_future_refs(a, found) for a in obj.args]
+        kwargs = {k: _with_future_refs(v, found) for k, v in obj.kwargs.items()}
+        if len(found) == n:
+            return obj
+        # a plain Task calling the same function (a container node's ``func`` builds
+        # the container from its arguments)
+        return Task(obj.key, obj.func, *args, _data_producer=obj.data_producer, **kwargs)
+    return obj
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+class SlicePart:
+    """One update-graph message of a plan.
+
+    ``tasks``: the task dicts; ``keys``: what the message wants (the client's new
+    wanted keys in this slice, and the frontier); ``temporary``: the frontier keys;
+    ``release``: frontier keys of earlier slices whose last dependent is in this one,
+    to release right after this message.
+    """
+
+    __slots__ = ("keys", "release", "tasks", "temporary")
+
+    def __init__(self, tasks: list, keys: list, temporary: list, release: list) -> None:
+        self.tasks = tasks
+        self.keys = keys
+        self.temporary = temporary
+        self.release = release
+
+
+class GraphPlan:
+    """The tasks of a materialized graph to send for ``wanted`` keys, in order.
+
+    ``held`` are keys of the graph the client holds already (the scheduler has them):
+    they are not sent, and the graph is cut there. ``options`` are task-dict fields
+    for every task (annotations override them per task). ``wire`` turns a spec into
+    what goes in the message (e.g. a Blob for a large one). After construction:
+    ``sequence`` (keys in sending order), ``external`` (dependencies outside what is
+    sent: held keys or keys the scheduler has from elsewhere), ``n_slices_hint``.
+    """
+
+    def __init__(self, graph: DaskGraph, wanted: list, held, options: dict,
+                 wire: Callable[[bytes], object] = lambda spec: spec,
+                 slice_tasks: int | None = None, slice_bytes: int | None = None) -> None:
+        require_dask()
+        from dask.order import order as dask_order
+
+        nodes = graph.nodes
+        self.nodes = nodes
+        self.wanted = set(wanted)
+        self.options = options
+        self.wire = wire
+        self.max_slice_tasks = max(1, slice_tasks or SLICE_TASKS)
+        self.slice_bytes = slice_bytes or SLICE_BYTES
+        self.annotations = _task_annotations(graph.annotations)
+        if held:
+            nodes = {key: nodes[key] for key in _needed(self.nodes, wanted, held)}
+        self.order = dask_order(nodes) if nodes else {}
+        self.sequence = sorted(nodes, key=self.order.__getitem__)
+        self.external: set = set()
+        self.last_use: dict = {}
+        self._index(nodes)
+        self.sliced = len(self.sequence) > self.max_slice_tasks
+        self.slice_tasks = (min(SLICE_FIRST_TASKS, self.max_slice_tasks) if self.sliced
+                            else self.max_slice_tasks)
+        self.position = 0
+        self.pickler = SpecPickler()
+        self._pending_release: list = []  # heap of (last use, n, key)
+        self._n = 0
+
+    def _index(self, nodes: dict) -> None:
+        """Find external dependencies and each key's last dependent; fix the order if a
+        dependency would come after its dependent (dask.order does not do that)."""
+        position = {key: i for i, key in enumerate(self.sequence)}
+        last_use = self.last_use
+        external = self.external
+        for i, key in enumerate(self.sequence):
+            for dep in nodes[key].dependencies:
+                j = position.get(dep)
+                if j is None:
+                    external.add(dep)
+                elif j > i:
+                    self.sequence = _topological(self.sequence, nodes)
+                    last_use.clear()
+                    external.clear()
+                    return self._index(nodes)
+                else:
+                    last_use[dep] = i  # i grows: the last assignment is the last use
+
+    def adapt(self, n_tasks: int, seconds: float) -> None:
+        """The scheduler took ``seconds`` over a slice of ``n_tasks``: size the next
+        slices to take about `SLICE_SECONDS` (moving halfway there each time)."""
+        if not self.sliced or n_tasks <= 0:
+            return
+        fitting = n_tasks * SLICE_SECONDS / max(seconds, 1e-4)
+        size = (self.slice_tasks + fitting) / 2
+        low = min(SLICE_MIN_TASKS, self.max_slice_tasks)
+        self.slice_tasks = int(min(max(size, low), self.max_slice_tasks))
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.sequence)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.sequence) - self.position
+
+    def encode_next(self) -> SlicePart:
+        """Pickle and describe the next slice (call until `done`)."""
+        nodes, order, sequence = self.nodes, self.order, self.sequence
+        options, annotations, wire = self.options, self.annotations, self.wire
+        dumps = self.pickler.dumps
+        start = i = self.position
+        stop = min(len(sequence), start + self.slice_tasks)
+        budget = self.slice_bytes
+        tasks = []
+        while i < stop and budget > 0:
+            key = sequence[i]
+            if type(key) is not str:
+                _check_key(key)
+            node = nodes[key]
+            spec = dumps(node)
+            budget -= len(spec)
+            task = {"key": key, "spec": wire(spec), "order": order[key]}
+            deps = node.dependencies
+            if self.pickler.found:
+                deps = deps | set(self.pickler.found)
+            if deps:
+                task["deps"] = list(deps)
+            if options:
+                task.update(options)
+            if annotations:
+                _annotate(task, key, annotations)
+            tasks.append(task)
+            i += 1
+        self.position = end = i
+        wanted = self.wanted
+        keys = [k for k in sequence[start:end] if k in wanted]
+        temporary: list = []
+        if end < len(sequence):
+            last_use = self.last_use
+            for key in sequence[start:end]:
+                use = last_use.get(key, -1)
+                if use >= end and key not in wanted:
+                    temporary.append(key)
+                    self._n += 1
+                    heapq.heappush(self._pending_release, (use, self._n, key))
+        release = []
+        pending = self._pending_release
+        while pending and pending[0][0] < end:
+            release.append(heapq.heappop(pending)[2])
+        return SlicePart(tasks, keys + temporary, temporary, release)
+
+
+def _needed(nodes: dict, wanted: list, held) -> set:
+    """The keys of ``nodes`` that ``wanted`` needs, not looking past ``held`` keys."""
+    needed: set = set()
+    stack = [key for key in wanted if key in nodes and key not in held]
+    while stack:
+        key = stack.pop()
+        if key in needed:
+            continue
+        needed.add(key)
+        for dep in nodes[key].dependencies:
+            if dep in nodes and dep not in held and dep not in needed:
+                stack.append(dep)
+    return needed
+
+
+def _topological(sequence: list, nodes: dict) -> list:
+    """``sequence`` reordered so that dependencies come first, otherwise kept."""
+    out: list = []
+    placed: set = set()
+    for root in sequence:
+        if root in placed:
+            continue
+        stack = [(root, False)]
+        while stack:
+            key, expanded = stack.pop()
+            if key in placed:
+                continue
+            if expanded:
+                placed.add(key)
+                out.append(key)
+                continue
+            stack.append((key, True))
+            for dep in nodes[key].dependencies:
+                if dep in nodes and dep not in placed:
+                    stack.append((dep, False))
+    return out
+
+
+def _check_key(key) -> None:
+    """Keys must survive msgpack and compare equal afterwards: str, int, float, bytes,
+    or tuples of them."""
+    typ = type(key)
+    if typ is tuple:
+        for part in key:
+            if type(part) is not str:
+                _check_key(part)
+    elif typ not in (int, float, bytes, str):
+        raise TypeError(f"a task key must be a str, int, float or a tuple of them, not "
+                        f"{typ.__name__}: {key!r}")
+
+
+# ---------------------------------------------------------------------------- annotations
+
+
+def _task_annotations(annotations: dict) -> list:
+    """``[(name, {key: value})]`` for the annotations that become task fields or the
+    plain ``annotations`` dict; checks their types once per distinct value."""
+    out = []
+    for name, by_key in annotations.items():
+        if not by_key:
+            continue
+        if name in _TASK_FIELDS:
+            by_key = {key: _task_field(name, value) for key, value in by_key.items()}
+        elif not all(_is_plain(value) for value in by_key.values()):
+            logger.warning("annotation %r is not plain data (str, numbers, lists, dicts): "
+                           "it is not sent to the scheduler", name)
+            continue
+        out.append((name, by_key))
+    return out
+
+
+def _task_field(name: str, value):
+    """An annotation as the task-dict field of the same name (docs/protocol.md)."""
+    if name == "workers":
+        workers = [value] if isinstance(value, str) else list(value)
+        if not all(isinstance(w, str) for w in workers):
+            raise TypeError(f"the 'workers' annotation must be addresses or names (str), "
+                            f"got {value!r}")
+        return workers
+    if name == "allow_other_workers":
+        return bool(value)
+    if name == "resources":
+        if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) for k, v in value.items()):
+            raise TypeError(f"the 'resources' annotation must map names to quantities, "
+                            f"got {value!r}")
+        return dict(value)
+    return int(value)  # priority, retries
+
+
+def _annotate(task: dict, key, annotations: list) -> None:
+    for name, by_key in annotations:
+        value = by_key.get(key, _MISSING)
+        if value is _MISSING:
+            continue
+        if name in _TASK_FIELDS:
+            task[name] = value
+        else:
+            extra = task.get("annotations")
+            if extra is None:
+                extra = task["annotations"] = {}
+            extra[name] = value
+
+
+
+def _is_plain(value) -> bool:
+    typ = type(value)
+    if typ in _PLAIN_SCALARS:
+        return True
+    if typ in (list, tuple):
+        return all(_is_plain(v) for v in value)
+    if typ is dict:
+        return all(type(k) is str and _is_plain(v) for k, v in value.items())
+    return False
+
+
+# ---------------------------------------------------------------------------- default scheduler
+
+
+class DefaultScheduler:
+    """Makes a client dask's default scheduler (``dask.config`` ``scheduler``), with the
+    task-based dataframe shuffle unless a shuffle method is configured; `undo` restores
+    what was there if the client is still the default."""
+
+    def __init__(self, client) -> None:
+        import dask
+
+        settings = {"scheduler": client}
+        if dask.config.get("dataframe.shuffle.method", None) is None:
+            settings["dataframe.shuffle.method"] = "tasks"
+        self.client = client
+        self._config = dask.config.set(settings)
+
+    def undo(self) -> None:
+        import dask
+
+        if dask.config.get("scheduler", None) is not self.client:
+            return  # someone else became the default meanwhile: leave theirs alone
+        self._config.__exit__(None, None, None)
+        previous = dask.config.get("scheduler", None)
+        if getattr(previous, "status", None) == "closed" and hasattr(previous, "_dask_default"):
+            # the default we replaced was a client of ours that closed in between
+            dask.config.set({"scheduler": None})
