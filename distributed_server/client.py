@@ -67,7 +67,6 @@ import functools
 import hashlib
 import itertools
 import logging
-import os
 import pickle
 import random
 import struct
@@ -1359,8 +1358,9 @@ class Client:
         ``who-has`` request after each slice paces the sending, so the scheduler handles
         one slice per turn of its event loop and serves heartbeats and other clients in
         between. Slice sizes follow the time from sending a slice to that answer (which
-        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier keys are wanted only until their last
-        dependent is sent (`dask_support.SlicePart`). Failures fail the new keys.
+        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier
+        keys are wanted only until their last dependent is sent
+        (`dask_support.SlicePart`). Failures fail the new keys.
         """
         if self._graph_lock is None:
             self._graph_lock = asyncio.Lock()
@@ -1412,10 +1412,15 @@ class Client:
                     self._release_later(state)
 
     async def _encode(self, plan):
-        """The next slice of ``plan``."""
-        if os.environ.get("DC_ENCODE_THREAD") and min(plan.remaining, plan.slice_tasks) > 500:
-            return await self._loop.run_in_executor(None, plan.encode_next)
-        return plan.encode_next()
+        """The next slice of ``plan``, pickled right here on the loop while the scheduler
+        takes in the previous one (in its own process).
+
+        Not in a thread: it was no faster (on a small machine the workers, already
+        running the first slices, compete for the same cores) and two busy threads
+        share the GIL badly. The loop is busy for at most about one slice's time.
+        """
+        with dask_support.gc_paused():
+            return plan.encode_next()
 
     def _ping(self) -> asyncio.Future:
         """An empty who-has request, sent now; its reply says the scheduler has handled

@@ -11,7 +11,12 @@ What this module does (all of it on the client)
   ``__dask_graph__()`` if it is not a mapping, then dask's own
   ``convert_legacy_graph``. Annotations come from ``__dask_annotations__()`` (the
   expression collects them from its HighLevelGraph layers; dataframe expressions have
-  none, as in dask itself).
+  none, as in dask itself). dask.array's low-level fusion drops the layers, and with
+  them the annotations (dask.distributed loses them too), so an expression with
+  annotated layers is materialized with that fusion off.
+- Futures of a Client (``__dask_future__``) inside a graph are its keys: dask turns a
+  persisted collection's ``{key: future}`` into nothing (the scheduler has the key), and
+  a future among a task's arguments into a dependency (see `SpecPickler`).
 - `GraphPlan`: orders the nodes with ``dask.order.order`` (dask's own priorities, sent as
   each task's ``order``), keeps only what the wanted keys need when the client already
   holds some keys of the graph, and encodes the tasks slice by slice, dependencies
@@ -21,16 +26,16 @@ What this module does (all of it on the client)
   as several update-graph messages, so the scheduler serves heartbeats and other
   clients between them. The client sends a slice once the scheduler has answered a
   request sent after the previous one, and sizes slices (`GraphPlan.adapt`) so that
-  the scheduler takes about `SLICE_SECONDS` over each: with the compiled core that is
-  the largest size, with the interpreted one a few thousand tasks. The scheduler forgets at once a task that nobody wants and
-  that has no dependents yet, so a slice also wants, temporarily, its "frontier": the
-  keys whose dependents come in a later slice. Each is released right after the slice
-  holding its last dependent (see `SlicePart.release`).
+  this takes about `SLICE_SECONDS` (the time covers pickling the next slice too). The
+  scheduler forgets at once a task that nobody wants and that has no dependents yet,
+  so a slice also wants, temporarily, its "frontier": the keys whose dependents come
+  in a later slice. Each is released right after the slice holding its last dependent
+  (see `SlicePart.release`).
 - `SpecPickler`: a node is pickled with the standard pickler (no Python callback per
   object) unless it refers to something a worker cannot import — ``__main__`` or a
   module registered with ``cloudpickle.register_pickle_by_value``, found by looking for
   those module names in the pickle — or the standard pickler fails (lambdas, local
-  functions); then cloudpickle pickles it by value.
+  functions); then cloudpickle pickles it by value, each such function once per graph.
 - `gc_paused`: the cyclic garbage collector is off while a graph is materialized,
   planned and pickled (the objects made then live until the graph is sent).
 - `DefaultScheduler`: makes a Client dask's default scheduler (``dask.config``
