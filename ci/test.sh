@@ -3,10 +3,10 @@
 #
 #   bash ci/test.sh [pure|compiled|all] [--] [pytest args...]      (default: all)
 #
-# pure      venv .venv-ci/pure: `DISTRIBUTED_CORE_PURE=1 pip install -e ".[test]"`;
+# pure      venv .venv-ci/pure: `DISTRIBUTED_CORE_PURE=1 pip install -e ".[test,dask]"`;
 #           the suite runs with DISTRIBUTED_CORE_PURE=1 EXPECT_COMPILED=0.
 # compiled  venv .venv-ci/compiled: `DISTRIBUTED_CORE_REQUIRE_COMPILED=1 pip install
-#           ".[test]"` (not editable); the suite runs from a temporary directory with
+#           ".[test,dask]"` (not editable); the suite runs from a temporary directory with
 #           the venv's own pytest executable and --import-mode=importlib, so nothing in
 #           the checkout can shadow the installed extension; EXPECT_COMPILED=1.
 #
@@ -99,10 +99,10 @@ setup_pure() {
   if venv_is_current "$venv" "$stamp"; then
     log "pure: reusing $venv (editable install; pyproject.toml and setup.py unchanged)"
   else
-    log "pure: creating $venv: DISTRIBUTED_CORE_PURE=1 pip install -e \".[test]\""
+    log "pure: creating $venv: DISTRIBUTED_CORE_PURE=1 pip install -e \".[test,dask]\""
     fresh_venv "$venv"
     (cd "$ROOT" && env -u DISTRIBUTED_CORE_REQUIRE_COMPILED DISTRIBUTED_CORE_PURE=1 \
-      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" -e ".[test]")
+      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" -e ".[test,dask]")
     write_stamp "$venv" "$stamp"
   fi
   record "pure: venv + editable install" "$t0"
@@ -126,11 +126,11 @@ setup_compiled() {
         "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" --no-deps --force-reinstall .)
     fi
   else
-    log "compiled: creating $venv: DISTRIBUTED_CORE_REQUIRE_COMPILED=1 pip install \".[test]\""
+    log "compiled: creating $venv: DISTRIBUTED_CORE_REQUIRE_COMPILED=1 pip install \".[test,dask]\""
     fresh_venv "$venv"
     rm -rf "$ROOT/build"
     (cd "$ROOT" && env -u DISTRIBUTED_CORE_PURE DISTRIBUTED_CORE_REQUIRE_COMPILED=1 \
-      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" ".[test]")
+      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" ".[test,dask]")
     write_stamp "$venv" "$env_stamp"
   fi
   printf '%s' "$src_stamp" >"$venv/.ci-src-stamp"

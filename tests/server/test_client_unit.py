@@ -110,12 +110,18 @@ class ScriptedScheduler:
 
     # ------------------------------------------------------------ what the test uses
 
+    def latest_comm(self, timeout: float = 10):
+        """The latest client connection, once the handshake on this side is done."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.comms, timeout), "no client connected"
+            return self.comms[-1]
+
     def send(self, *msgs: dict) -> None:
         """Send messages to the (latest) client, as one frame."""
-        self._run(self.comms[-1].write(list(msgs)))
+        self._run(self.latest_comm().write(list(msgs)))
 
     def drop_client(self) -> None:
-        self.loop.call_soon_threadsafe(self.comms[-1].abort)
+        self.loop.call_soon_threadsafe(self.latest_comm().abort)
 
     def sent(self, op: str) -> list[dict]:
         with self._cond:
@@ -132,7 +138,9 @@ class ScriptedScheduler:
     # ------------------------------------------------------------ scheduler side
 
     async def _serve_client(self, comm) -> None:
-        self.comms.append(comm)
+        with self._cond:
+            self.comms.append(comm)
+            self._cond.notify_all()
         try:
             while True:
                 for msg in await comm.read():
@@ -262,8 +270,8 @@ def until(predicate, timeout: float = 10) -> None:
 
 
 def test_handshake_names_the_client(scheduler, client):
-    assert scheduler.comms[0].extra == {"role": "client", "client_id": client.id,
-                                        "protocol": 1}
+    assert scheduler.latest_comm().extra == {"role": "client", "client_id": client.id,
+                                             "protocol": 1}
 
 
 def test_close_says_goodbye_and_is_idempotent(scheduler):
