@@ -13,9 +13,10 @@ What this module does
   client's event loop. A sync client runs that loop (tornado's IOStreams on asyncio) in a
   daemon thread and blocks on it; an async client (``asynchronous=True``) runs on the
   caller's loop and its methods return awaitables.
-- `Future`: many Future objects may share one key. They share one ``_KeyState``, counted
-  by reference; the client sends ``release-keys`` when the count drops to zero.
-- `wait` and `as_completed` work on futures of one client, sync or async.
+- The client owns the key states its futures share (`distributed_server.futures`: `Future`,
+  `wait`, `as_completed`, the exceptions) and sends ``release-keys`` when the last Future
+  of a key goes away. Task specs are built by `distributed_server.taskspec`. The names of
+  both modules that users import are exported here too (see ``__all__``).
 
 Threads
 -------
@@ -25,16 +26,8 @@ which the loop drains in order, so a task is always sent before the release of a
 it depends on. ``Future.__del__`` never blocks and never takes a lock: it queues the
 release and, at most once per drain, wakes the loop.
 
-Task specs
-----------
-The worker runs ``pickle.loads(spec)(deps)`` and gets ``Call(func, args, kwargs)``. `map`
-pickles the function once (cloudpickle: by value where needed). When the arguments are
-builtin scalars, containers of them, and futures, each task's spec is that pickle's
-fixed opening followed by the standard pickle of its arguments, so the per-task cost is
-one small ``pickle.dumps`` instead of a cloudpickle of the whole call (which pickles a
-function defined in ``__main__`` by value every time). Other arguments go through
-cloudpickle. `submit` builds its spec the same way, so ``submit(f, x)`` and
-``map(f, [x])`` give the same key. A pure task's key is ``f"{funcname}-{blake2b(spec)}"``.
+Exit
+----
 At interpreter exit an open client just drops its connection (the scheduler releases
 its keys as on ``close-client``) and stops the LocalCluster it owns.
 
@@ -46,47 +39,67 @@ collections, and a client made with ``set_as_default=True`` is dask's default sc
 until it closes. The graph is materialized, ordered and pickled here, in slices, by
 `dask_support`; `_send_plan` sends the slices one at a time, holding the outbox meanwhile
 so that nothing queued later overtakes them. Without dask these methods raise an
-ImportError naming the extra, and `get` converts dict graphs itself (`_LegacyGraph`).
+ImportError naming the extra, and `get` converts dict graphs itself
+(`taskspec._LegacyGraph`).
 
 Errors
 ------
-`CancelledError` is ``concurrent.futures.CancelledError`` (an ``Exception``; asyncio's is a
-``BaseException`` that would read as "this coroutine was cancelled"). A task's own
-exception is re-raised with the remote traceback as its ``__cause__``;
-`TaskFailedError` (RuntimeError) is a failure the scheduler decided, `GraphRefusedError`
-(ValueError) a graph it refused, `SchedulerConnectionError` (a ``CommClosedError``) is
-raised by pending futures when the connection is lost or the client closed.
+The exception classes live in `distributed_server.futures` (see its docstring) and are
+exported here. `SchedulerConnectionError` is raised by every call that needs the
+scheduler once the connection is lost or the client closed; `SchedulerError` by a request
+the scheduler answered with an error, and when workers do not give or take data
+(a fetch that keeps failing, a refused ``put-data`` in `scatter`).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import itertools
 import logging
 import pickle
 import random
-import struct
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
 
 from . import dask_support
 from .comm import Blob, Comm, CommClosedError, connect
-from .serialize import (
-    Call,
-    TaskRef,
-    dumps_data,
-    dumps_spec,
-    loads_data,
-    loads_error,
-    sizeof,
+from .futures import (
+    ALL_COMPLETED,
+    CANCELLED,
+    ERROR,
+    FINISHED,
+    FIRST_COMPLETED,
+    PENDING,
+    CancelledError,
+    DoneAndNotDoneFutures,
+    Future,
+    GraphRefusedError,
+    SchedulerConnectionError,
+    SchedulerError,
+    TaskFailedError,
+    _forget_default_client,
+    _futures_in,
+    _KeyState,
+    _set_default_client,
+    _unique_states,
+    as_completed,
+    default_client,
+    wait,
+)
+from .serialize import dumps_data, loads_data, loads_error, sizeof
+from .taskspec import (
+    _SEQUENCES,
+    _digest,
+    _flatten_keys,
+    _LegacyGraph,
+    _task_options,
+    _TaskEncoder,
+    _wire_spec,
 )
 
 __all__ = [
@@ -107,14 +120,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Raised by a cancelled future (concurrent.futures', not asyncio's: it is an Exception).
-CancelledError = concurrent.futures.CancelledError
-
-ALL_COMPLETED = "ALL_COMPLETED"
-FIRST_COMPLETED = "FIRST_COMPLETED"
-
-#: Task specs larger than this travel as an out-of-band Blob.
-SPEC_BLOB_BYTES = 64 * 1024
 #: Idle connections kept per worker for fetching results.
 PEER_POOL_SIZE = 4
 #: Rounds of who-has + get-data before a fetch gives up on a key that holders do not give.
@@ -122,114 +127,14 @@ FETCH_ROUNDS = 12
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
 
-# Key statuses (Future.status)
-PENDING = "pending"
-FINISHED = "finished"
-ERROR = "error"
-CANCELLED = "cancelled"
 
 # Client statuses
 _CREATED, _RUNNING, _LOST, _CLOSING, _CLOSED = "created", "running", "lost", "closing", "closed"
 
 
-class SchedulerConnectionError(CommClosedError):
-    """The connection to the scheduler is gone (lost, or the client closed).
-
-    Pending futures raise it instead of waiting forever; so does every call that needs
-    the scheduler.
-    """
+# ---------------------------------------------------------------------------- results and waiting
 
 
-class GraphRefusedError(ValueError):
-    """The scheduler refused a submitted graph; the message is the scheduler's reason."""
-
-
-class TaskFailedError(RuntimeError):
-    """A task failed for a reason the scheduler decided (e.g. its workers kept dying)."""
-
-
-class SchedulerError(RuntimeError):
-    """The scheduler answered a request with an error."""
-
-
-# ---------------------------------------------------------------------------- key state
-
-
-class _KeyState:
-    """What the client knows about one key; shared by every Future of that key.
-
-    ``refs`` counts the Futures holding it (changed under ``Client._lock``); everything
-    else changes on the client's loop thread only. ``watchers`` are callables run with
-    the state when it settles; ``epoch`` counts settlings, so a fetch can tell whether a
-    key it found missing has been recomputed meanwhile.
-    """
-
-    __slots__ = ("data", "epoch", "error", "key", "refs", "status", "traceback",
-                 "type_name", "watchers")
-
-    def __init__(self, key) -> None:
-        self.key = key
-        self.status = PENDING
-        self.type_name: str | None = None
-        self.data = None  # the pickled result, when the scheduler sent it inline
-        self.error: Callable[[], BaseException] | None = None
-        self.traceback: str | None = None
-        self.refs = 0
-        self.watchers: list | None = None
-        self.epoch = 0
-
-    def settle(self, status: str) -> None:
-        """Take the final ``status`` (for now) and run the watchers once."""
-        self.status = status
-        self.epoch += 1
-        watchers, self.watchers = self.watchers, None
-        if watchers:
-            for watcher in watchers:
-                watcher(self)
-
-    def finish(self, data, type_name) -> None:
-        self.data = data
-        if type_name is not None:  # scattered keys: the scheduler does not know the type
-            self.type_name = type_name
-        self.settle(FINISHED)
-
-    def fail(self, error: Callable[[], BaseException], traceback: str | None) -> None:
-        self.error = error
-        self.traceback = traceback
-        self.settle(ERROR)
-
-    def reset(self) -> None:
-        """Back to pending (retried, or its data was lost) without running watchers."""
-        self.status = PENDING
-        self.data = self.error = self.traceback = None
-
-    def watch(self, watcher: Callable) -> None:
-        if self.watchers is None:
-            self.watchers = [watcher]
-        else:
-            self.watchers.append(watcher)
-
-    def unwatch(self, watcher: Callable) -> None:
-        if self.watchers is not None and watcher in self.watchers:
-            self.watchers.remove(watcher)
-
-    def exception(self) -> BaseException:
-        """A fresh exception for an erred or cancelled key."""
-        if self.status == CANCELLED:
-            return CancelledError(f"{self.key!r} was cancelled")
-        assert self.error is not None
-        return self.error()
-
-    def local_result(self):
-        """The result if it is here already; raises the key's error; else `_NOT_HERE`."""
-        if self.status == FINISHED:
-            return _NOT_HERE if self.data is None else pickle.loads(self.data)
-        if self.status == PENDING:
-            return _NOT_HERE
-        raise self.exception()
-
-
-_NOT_HERE = object()  # a result that must be waited for or fetched
 _SKIPPED = object()  # a failed future left out by gather(errors="skip")
 
 
@@ -274,342 +179,6 @@ class _DoneCallback:
             logger.exception("done callback %r of %r failed", self.fn, self.future)
 
 
-# ---------------------------------------------------------------------------- Future
-
-
-class Future:
-    """A remote result, named by its key.
-
-    Made by `Client.submit`, `Client.map`, `Client.scatter`, or ``Future(key, client)``
-    for a key the scheduler already has. ``status`` is 'pending', 'finished', 'error' or
-    'cancelled'. In a sync client `result`, `exception`, `traceback`, `cancel` and
-    `retry` block; in an async client they return awaitables, and ``await future`` gives
-    the result. When the last Future of a key is released or garbage-collected, the
-    client tells the scheduler it no longer wants the key.
-    """
-
-    __slots__ = ("__weakref__", "_held", "_state", "client", "key")
-
-    #: dask treats objects with this flag as futures: inside a graph (e.g. a persisted
-    #: collection's ``{key: future}``) a future stands for its key's value.
-    __dask_future__ = True
-
-    def __init__(self, key, client: Client | None = None) -> None:
-        client = client if client is not None else default_client()
-        self._state = client._hold_key(key)
-        self.key = key
-        self.client = client
-        self._held = True
-
-    @classmethod
-    def _attach(cls, state: _KeyState, client: Client) -> Future:
-        """A Future for a state whose reference the caller already counted."""
-        future = object.__new__(cls)
-        future._state = state
-        future.key = state.key
-        future.client = client
-        future._held = True
-        return future
-
-    @property
-    def status(self) -> str:
-        """'pending', 'finished', 'error' or 'cancelled'."""
-        return self._state.status
-
-    @property
-    def type(self) -> str | None:
-        """The type name of the result, once finished."""
-        return self._state.type_name
-
-    def done(self) -> bool:
-        """Whether the key is finished, erred or cancelled."""
-        return self._state.status != PENDING
-
-    def result(self, timeout: float | None = None):
-        """The result; raises the task's exception (remote traceback as its cause),
-        `CancelledError` if cancelled, ``TimeoutError`` after ``timeout`` seconds."""
-        client = self.client
-        if not client.asynchronous:
-            value = self._state.local_result()
-            if value is not _NOT_HERE:
-                return value
-        return client._sync(client._result, self, timeout)
-
-    def exception(self, timeout: float | None = None):
-        """The task's exception once done (None if it succeeded)."""
-        return self.client._sync(self.client._exception, self, timeout)
-
-    def traceback(self, timeout: float | None = None):
-        """The remote traceback text of a failed task once done (None otherwise)."""
-        return self.client._sync(self.client._traceback, self, timeout)
-
-    def cancel(self, force: bool = False):
-        """Cancel this key (for every client wanting it, with ``force``)."""
-        return self.client.cancel([self], force=force)
-
-    def retry(self):
-        """Run this failed task (and the failed tasks it depends on) again."""
-        return self.client.retry([self])
-
-    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        """Call ``fn(self)`` once done, on the client's loop thread; errors are logged."""
-        self.client._add_done_callbacks([self], fn)
-
-    def release(self) -> None:
-        """Drop this Future's hold on its key now instead of at garbage collection."""
-        if self._held:
-            self._held = False
-            self.client._release_later(self._state)
-
-    def __await__(self):
-        return self.client._result_anywhere(self).__await__()
-
-    def __del__(self) -> None:
-        if getattr(self, "_held", False):
-            self._held = False
-            self.client._release_later(self._state)
-
-    def __reduce__(self):
-        raise TypeError("a Future cannot be pickled: pass it in a task's arguments (also "
-                        "inside lists, tuples, sets and dicts) and the task gets its result")
-
-    def __dask_tokenize__(self):
-        return ("distributed_server.Future", self.key)
-
-    def __repr__(self) -> str:
-        state = self._state
-        kind = f", type: {state.type_name}" if state.status == FINISHED and state.type_name else ""
-        return f"<Future: {state.status}{kind}, key: {state.key!r}>"
-
-
-# ---------------------------------------------------------------------------- task encoding
-
-
-_ATOMIC = frozenset({int, float, complex, bool, str, bytes, type(None), TaskRef})
-_SEQUENCES = (tuple, list, set, frozenset)
-
-
-class _PickledFunction:
-    """A function pickled once; each task's spec embeds these bytes.
-
-    Pickled inside a spec it is ``pickle.loads(payload)``, so the worker gets the function
-    back with nothing of this module needed on its side.
-    """
-
-    __slots__ = ("payload",)
-
-    def __init__(self, func: Callable) -> None:
-        self.payload = dumps_spec(func)
-
-    def __reduce__(self):
-        return (pickle.loads, (self.payload,))
-
-    def spec_head(self) -> bytes:
-        """The opening of ``pickle.dumps(Call(self, args, kwargs))``, up to ``args``.
-
-        Protocol-3 opcodes: PROTO 3, GLOBAL Call, GLOBAL pickle.loads, BINBYTES payload,
-        TUPLE1, REDUCE. It writes nothing to the memo, so pickles of ``args`` and
-        ``kwargs`` made separately (each numbering its memo from 0, and reading only
-        what it wrote) may follow it: see `_plain_spec_body`.
-        """
-        loads = pickle.loads
-        return b"".join([
-            b"\x80\x03",
-            f"c{Call.__module__}\n{Call.__qualname__}\n".encode(),
-            f"c{loads.__module__}\n{loads.__name__}\n".encode(),
-            b"B", struct.pack("<I", len(self.payload)), self.payload,
-            b"\x85R",
-        ])
-
-
-def _pickle_segment(obj) -> bytes:
-    """``obj``'s protocol-3 pickle without PROTO and STOP: opcodes that push ``obj``."""
-    return pickle.dumps(obj, protocol=3)[2:-1]
-
-
-def _plain_spec_body(args: tuple, kwargs: dict | None) -> bytes:
-    """What follows `_PickledFunction.spec_head`: args, kwargs, TUPLE3, REDUCE, STOP."""
-    kwargs_ops = _pickle_segment(kwargs) if kwargs else b"N"
-    return b"".join([_pickle_segment(args), kwargs_ops, b"\x87R."])
-
-
-class _ArgWalker:
-    """Replaces this client's futures in nested tuples, lists, sets and dicts by TaskRefs.
-
-    Collects their keys in ``deps`` and clears ``plain`` on meeting anything that is not
-    a builtin scalar, a container of those, or a future: only plain arguments may be
-    pickled with the standard pickler (which would pickle ``__main__`` objects by
-    reference, useless on a worker).
-    """
-
-    __slots__ = ("client", "deps", "plain")
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.deps: list = []
-        self.plain = True
-
-    def walk(self, obj):
-        typ = type(obj)
-        if typ in _ATOMIC:
-            return obj
-        if typ in _SEQUENCES:
-            return typ([self.walk(item) for item in obj])
-        if typ is dict:
-            if not all(type(k) in _ATOMIC for k in obj):
-                self.plain = False
-            return {k: self.walk(v) for k, v in obj.items()}
-        if isinstance(obj, Future):
-            return self._reference(obj)
-        self.plain = False
-        return obj
-
-    def _reference(self, future: Future) -> TaskRef:
-        if future.client is not self.client:
-            raise ValueError(f"{future!r} belongs to another client")
-        if future.status == CANCELLED:
-            raise CancelledError(f"{future.key!r} was cancelled; it cannot be an argument")
-        self.deps.append(future.key)
-        return TaskRef(future.key)
-
-
-def _funcname(func) -> str:
-    while isinstance(func, functools.partial):
-        func = func.func
-    name = getattr(func, "__name__", None) or type(func).__name__
-    return "lambda" if name == "<lambda>" else name
-
-
-def _digest(*buffers) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for buffer in buffers:
-        h.update(buffer)
-    return h.hexdigest()
-
-
-def _wire_spec(spec: bytes):
-    return Blob(spec) if len(spec) > SPEC_BLOB_BYTES else spec
-
-
-def _task_options(retries, priority, workers, resources, allow_other_workers) -> dict:
-    """The optional task dict fields that differ from their defaults."""
-    options: dict = {}
-    if priority:
-        options["priority"] = int(priority)
-    if retries:
-        options["retries"] = int(retries)
-    if workers:
-        options["workers"] = [workers] if isinstance(workers, str) else list(workers)
-        if allow_other_workers:
-            options["allow_other_workers"] = True
-    if resources:
-        options["resources"] = dict(resources)
-    return options
-
-
-class _TaskEncoder:
-    """Turns calls of one function into task dicts; the function is pickled once.
-
-    Plain arguments (see `_ArgWalker`) take the fast path: the spec is the function's
-    pickled head plus the arguments' standard pickle, and a pure key hashes the head
-    once. Other arguments are pickled with cloudpickle, task by task. Either way the
-    spec unpickles to ``Call(func, args, kwargs)`` and a pure key is
-    ``f"{prefix}-{blake2b(spec)}"``.
-    """
-
-    def __init__(self, client: Client, func: Callable, pure: bool, options: dict,
-                 prefix: str | None = None) -> None:
-        if not callable(func):
-            raise TypeError(f"{func!r} is not callable")
-        self.client = client
-        self.func = _PickledFunction(func)
-        self.head = self.func.spec_head()
-        self.head_hash = hashlib.blake2b(self.head, digest_size=16)
-        self.prefix = prefix or _funcname(func)
-        self.pure = pure
-        self.options = options
-
-    def task(self, args: tuple, kwargs: dict | None, key=None) -> dict:
-        walker = _ArgWalker(self.client)
-        args = tuple([walker.walk(a) for a in args])
-        kwargs = walker.walk(kwargs) if kwargs else None
-        if walker.plain:
-            body = _plain_spec_body(args, kwargs)
-            spec = self.head + body
-            if key is None and self.pure:
-                digest = self.head_hash.copy()
-                digest.update(body)
-                key = f"{self.prefix}-{digest.hexdigest()}"
-        else:
-            spec = dumps_spec(Call(self.func, args, kwargs))
-            if key is None and self.pure:
-                key = f"{self.prefix}-{_digest(spec)}"
-        if key is None:
-            key = f"{self.prefix}-{uuid.uuid4().hex}"
-        task = {"key": key, "spec": _wire_spec(spec)}
-        if walker.deps:
-            task["deps"] = walker.deps
-        if self.options:
-            task.update(self.options)
-        return task
-
-
-def _identity(value):
-    """The spec of a legacy graph entry that is a literal or an alias of another key."""
-    return value
-
-
-class _LegacyGraph:
-    """Converts a dict graph of ``(func, *args)`` tuples into Call/TaskRef task specs.
-
-    An argument that is a key of the graph becomes a TaskRef (a dependency); a tuple
-    starting with a callable is a nested task; lists are walked; anything else is a
-    literal. An entry that is not a task (a literal, an alias, a list of keys) becomes a
-    Call of `_identity`.
-    """
-
-    def __init__(self, graph: dict) -> None:
-        self.graph = graph
-
-    def tasks(self, options: dict) -> list[dict]:
-        out = []
-        for key, value in self.graph.items():
-            deps: list = []
-            spec = self._convert(value, deps)
-            if type(spec) is not Call:
-                spec = Call(_identity, (spec,))
-            task = {"key": key, "spec": _wire_spec(dumps_spec(spec)), **options}
-            if deps:
-                task["deps"] = deps
-            out.append(task)
-        return out
-
-    def _convert(self, obj, deps: list):
-        if self._is_key(obj):
-            deps.append(obj)
-            return TaskRef(obj)
-        typ = type(obj)
-        if typ is tuple and obj and callable(obj[0]):
-            return Call(obj[0], tuple([self._convert(a, deps) for a in obj[1:]]))
-        if typ is list:
-            return [self._convert(item, deps) for item in obj]
-        return obj
-
-    def _is_key(self, obj) -> bool:
-        if type(obj) not in (str, int, float, tuple):
-            return False
-        try:
-            return obj in self.graph
-        except TypeError:  # a tuple holding something unhashable
-            return False
-
-
-def _flatten_keys(keys) -> list:
-    if type(keys) is list:
-        return [k for item in keys for k in _flatten_keys(item)]
-    return [keys]
-
-
 # ---------------------------------------------------------------------------- structure walks
 
 
@@ -638,19 +207,6 @@ def _rebuild(obj, values: dict):
         pairs = ((k, _rebuild(v, values)) for k, v in obj.items())
         return {k: v for k, v in pairs if v is not _SKIPPED}
     return obj
-
-
-def _futures_in(futures) -> list[Future]:
-    """A single future or an iterable of futures, as a list."""
-    if isinstance(futures, Future):
-        return [futures]
-    if isinstance(futures, dict):
-        return list(futures.values())
-    return list(futures)
-
-
-def _unique_states(futures: Iterable[Future]) -> list[_KeyState]:
-    return list(dict.fromkeys(f._state for f in futures))
 
 
 # ---------------------------------------------------------------------------- loop thread
@@ -714,16 +270,6 @@ def _shutdown(runner: _ClientLoopThread | None, cluster) -> None:
 
 
 # ---------------------------------------------------------------------------- Client
-
-
-_default_client: Client | None = None
-
-
-def default_client() -> Client:
-    """The most recent client made with ``set_as_default=True`` and still open."""
-    if _default_client is None:
-        raise ValueError("no default client: create a Client first")
-    return _default_client
 
 
 class Client:
@@ -840,10 +386,9 @@ class Client:
         self.status = _RUNNING
 
     def _started(self) -> None:
-        global _default_client
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._cluster)
         if self._set_as_default:
-            _default_client = self
+            _set_default_client(self)
             if dask_support.dask_available():
                 try:
                     self._dask_default = dask_support.DefaultScheduler(self)
@@ -894,9 +439,7 @@ class Client:
         await asyncio.to_thread(self._finish_close)
 
     def _finish_close(self) -> None:
-        global _default_client
-        if _default_client is self:
-            _default_client = None
+        _forget_default_client(self)
         if self._dask_default is not None:
             self._dask_default, default = None, self._dask_default
             default.undo()
@@ -1799,137 +1342,3 @@ def _place(keys: list, targets: list[str], broadcast: bool) -> dict[str, list]:
         for address in targets if broadcast else [targets[i % len(targets)]]:
             placement[address].append((i, key))
     return placement
-
-
-# ---------------------------------------------------------------------------- wait, as_completed
-
-
-class DoneAndNotDoneFutures(NamedTuple):
-    """What `wait` returns: two sets of futures."""
-
-    done: set
-    not_done: set
-
-
-def wait(futures, timeout: float | None = None, return_when: str = ALL_COMPLETED):
-    """Wait until all (or, with FIRST_COMPLETED, any) of ``futures`` are done.
-
-    Returns ``(done, not_done)`` sets; raises ``TimeoutError`` after ``timeout`` seconds.
-    All futures must belong to one client; with an async client this returns an awaitable.
-    """
-    if return_when not in (ALL_COMPLETED, FIRST_COMPLETED):
-        raise ValueError(f"return_when must be ALL_COMPLETED or FIRST_COMPLETED, "
-                         f"not {return_when!r}")
-    futures = _futures_in(futures)
-    client = _client_of(futures)
-    if client is None:
-        return DoneAndNotDoneFutures(set(), set())
-    return client._sync(client._wait, futures, timeout, return_when)
-
-
-def _client_of(futures: list[Future]) -> Client | None:
-    clients = {id(f.client): f.client for f in futures}
-    if len(clients) > 1:
-        raise ValueError("these futures belong to different clients")
-    return next(iter(clients.values()), None)
-
-
-class as_completed:
-    """Iterate over futures as they finish: ``for future in as_completed(futures)``, or
-    ``async for`` with an async client.
-
-    ``with_results=True`` yields ``(future, result)`` pairs; a failed future then raises
-    its exception, or yields ``(future, exception)`` with ``raise_errors=False``.
-    `add` and `update` put more futures in while iterating.
-    """
-
-    def __init__(self, futures: Iterable[Future] = (), with_results: bool = False,
-                 raise_errors: bool = True) -> None:
-        self.with_results = with_results
-        self.raise_errors = raise_errors
-        self._cond = threading.Condition()
-        self._ready: collections.deque = collections.deque()
-        self._pending = 0
-        self._client: Client | None = None
-        self._wakeup: asyncio.Future | None = None
-        self.update(futures)
-
-    def add(self, future: Future) -> None:
-        """Include one more future."""
-        self.update([future])
-
-    def update(self, futures: Iterable[Future]) -> None:
-        """Include more futures."""
-        futures = list(futures)
-        client = _client_of(futures)
-        if client is None:
-            return
-        with self._cond:
-            if self._client not in (None, client):
-                raise ValueError("these futures belong to another client")
-            self._client = client
-            self._pending += len(futures)
-        client._add_done_callbacks(futures, self._on_done)
-
-    def count(self) -> int:
-        """How many futures are still to be yielded."""
-        with self._cond:
-            return self._pending + len(self._ready)
-
-    def _on_done(self, future: Future) -> None:
-        with self._cond:
-            self._pending -= 1
-            self._ready.append(future)
-            self._cond.notify_all()
-            wakeup, self._wakeup = self._wakeup, None
-        if wakeup is not None:
-            wakeup.get_loop().call_soon_threadsafe(_resolve, wakeup)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        client = self._client
-        if client is not None and client._on_loop():
-            raise RuntimeError("iterate an as_completed of this client with 'async for'")
-        with self._cond:
-            while not self._ready:
-                if not self._pending:
-                    raise StopIteration
-                self._cond.wait()
-            future = self._ready.popleft()
-        if not self.with_results:
-            return future
-        try:
-            return future, future.result()
-        except Exception as e:
-            if self.raise_errors:
-                raise
-            return future, e
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        while True:
-            with self._cond:
-                if self._ready:
-                    future = self._ready.popleft()
-                    break
-                if not self._pending:
-                    raise StopAsyncIteration
-                self._wakeup = wakeup = asyncio.get_running_loop().create_future()
-            await wakeup
-        if not self.with_results:
-            return future
-        try:
-            return future, await future
-        except Exception as e:
-            if self.raise_errors:
-                raise
-            return future, e
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)

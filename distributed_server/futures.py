@@ -1,0 +1,457 @@
+"""Futures of distributed-core: `Future`, the key state its copies share, `wait`, `as_completed`.
+
+What this module does
+---------------------
+- `Future` names a remote result by its key. Many Future objects may share one key; they
+  share one ``_KeyState``, counted by reference, and the client sends ``release-keys``
+  when the count drops to zero. A Future reaches its client only through the client's
+  methods (``_hold_key``, ``_sync``, ``_result``, ``_release_later``, ...), so this module
+  never imports `distributed_server.client`.
+- `wait` and `as_completed` work on futures of one client, sync or async.
+- `default_client` is the client a ``Future(key)`` made without one attaches to: the
+  most recent `Client` made with ``set_as_default=True`` and still open (the client
+  registers and forgets itself here).
+- The exceptions futures raise: `CancelledError`, `TaskFailedError`,
+  `GraphRefusedError`, `SchedulerConnectionError`, `SchedulerError`, and the key
+  statuses (``Future.status``).
+
+Threads
+-------
+Every change of a key's status happens on the client's loop thread. ``Future.__del__``
+never blocks and never takes a lock: it hands the release to the client, which queues it.
+
+Errors
+------
+`CancelledError` is ``concurrent.futures.CancelledError`` (an ``Exception``; asyncio's is a
+``BaseException`` that would read as "this coroutine was cancelled"). A task's own
+exception is re-raised with the remote traceback as its ``__cause__``;
+`TaskFailedError` (RuntimeError) is a failure the scheduler decided, `GraphRefusedError`
+(ValueError) a graph it refused, `SchedulerConnectionError` (a ``CommClosedError``) is
+raised by pending futures when the connection is lost or the client closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import pickle
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .comm import CommClosedError
+
+if TYPE_CHECKING:  # annotations only: the client imports this module, never the reverse
+    from .client import Client
+
+__all__ = [
+    "ALL_COMPLETED",
+    "FIRST_COMPLETED",
+    "CancelledError",
+    "DoneAndNotDoneFutures",
+    "Future",
+    "GraphRefusedError",
+    "SchedulerConnectionError",
+    "SchedulerError",
+    "TaskFailedError",
+    "as_completed",
+    "default_client",
+    "wait",
+]
+
+#: Raised by a cancelled future (concurrent.futures', not asyncio's: it is an Exception).
+CancelledError = concurrent.futures.CancelledError
+
+ALL_COMPLETED = "ALL_COMPLETED"
+FIRST_COMPLETED = "FIRST_COMPLETED"
+
+# Key statuses (Future.status)
+PENDING = "pending"
+FINISHED = "finished"
+ERROR = "error"
+CANCELLED = "cancelled"
+
+
+class SchedulerConnectionError(CommClosedError):
+    """The connection to the scheduler is gone (lost, or the client closed).
+
+    Pending futures raise it instead of waiting forever; so does every call that needs
+    the scheduler.
+    """
+
+
+class GraphRefusedError(ValueError):
+    """The scheduler refused a submitted graph; the message is the scheduler's reason."""
+
+
+class TaskFailedError(RuntimeError):
+    """A task failed for a reason the scheduler decided (e.g. its workers kept dying)."""
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler answered a request with an error."""
+
+
+# ---------------------------------------------------------------------------- key state
+
+
+class _KeyState:
+    """What the client knows about one key; shared by every Future of that key.
+
+    ``refs`` counts the Futures holding it (changed under ``Client._lock``); everything
+    else changes on the client's loop thread only. ``watchers`` are callables run with
+    the state when it settles; ``epoch`` counts settlings, so a fetch can tell whether a
+    key it found missing has been recomputed meanwhile.
+    """
+
+    __slots__ = ("data", "epoch", "error", "key", "refs", "status", "traceback",
+                 "type_name", "watchers")
+
+    def __init__(self, key) -> None:
+        self.key = key
+        self.status = PENDING
+        self.type_name: str | None = None
+        self.data = None  # the pickled result, when the scheduler sent it inline
+        self.error: Callable[[], BaseException] | None = None
+        self.traceback: str | None = None
+        self.refs = 0
+        self.watchers: list | None = None
+        self.epoch = 0
+
+    def settle(self, status: str) -> None:
+        """Take the final ``status`` (for now) and run the watchers once."""
+        self.status = status
+        self.epoch += 1
+        watchers, self.watchers = self.watchers, None
+        if watchers:
+            for watcher in watchers:
+                watcher(self)
+
+    def finish(self, data, type_name) -> None:
+        self.data = data
+        if type_name is not None:  # scattered keys: the scheduler does not know the type
+            self.type_name = type_name
+        self.settle(FINISHED)
+
+    def fail(self, error: Callable[[], BaseException], traceback: str | None) -> None:
+        self.error = error
+        self.traceback = traceback
+        self.settle(ERROR)
+
+    def reset(self) -> None:
+        """Back to pending (retried, or its data was lost) without running watchers."""
+        self.status = PENDING
+        self.data = self.error = self.traceback = None
+
+    def watch(self, watcher: Callable) -> None:
+        if self.watchers is None:
+            self.watchers = [watcher]
+        else:
+            self.watchers.append(watcher)
+
+    def unwatch(self, watcher: Callable) -> None:
+        if self.watchers is not None and watcher in self.watchers:
+            self.watchers.remove(watcher)
+
+    def exception(self) -> BaseException:
+        """A fresh exception for an erred or cancelled key."""
+        if self.status == CANCELLED:
+            return CancelledError(f"{self.key!r} was cancelled")
+        assert self.error is not None
+        return self.error()
+
+    def local_result(self):
+        """The result if it is here already; raises the key's error; else `_NOT_HERE`."""
+        if self.status == FINISHED:
+            return _NOT_HERE if self.data is None else pickle.loads(self.data)
+        if self.status == PENDING:
+            return _NOT_HERE
+        raise self.exception()
+
+
+_NOT_HERE = object()  # a result that must be waited for or fetched
+
+
+# ---------------------------------------------------------------------------- Future
+
+
+class Future:
+    """A remote result, named by its key.
+
+    Made by `Client.submit`, `Client.map`, `Client.scatter`, or ``Future(key, client)``
+    for a key the scheduler already has. ``status`` is 'pending', 'finished', 'error' or
+    'cancelled'. In a sync client `result`, `exception`, `traceback`, `cancel` and
+    `retry` block; in an async client they return awaitables, and ``await future`` gives
+    the result. When the last Future of a key is released or garbage-collected, the
+    client tells the scheduler it no longer wants the key.
+    """
+
+    __slots__ = ("__weakref__", "_held", "_state", "client", "key")
+
+    #: dask treats objects with this flag as futures: inside a graph (e.g. a persisted
+    #: collection's ``{key: future}``) a future stands for its key's value.
+    __dask_future__ = True
+
+    def __init__(self, key, client: Client | None = None) -> None:
+        client = client if client is not None else default_client()
+        self._state = client._hold_key(key)
+        self.key = key
+        self.client = client
+        self._held = True
+
+    @classmethod
+    def _attach(cls, state: _KeyState, client: Client) -> Future:
+        """A Future for a state whose reference the caller already counted."""
+        future = object.__new__(cls)
+        future._state = state
+        future.key = state.key
+        future.client = client
+        future._held = True
+        return future
+
+    @property
+    def status(self) -> str:
+        """'pending', 'finished', 'error' or 'cancelled'."""
+        return self._state.status
+
+    @property
+    def type(self) -> str | None:
+        """The type name of the result, once finished."""
+        return self._state.type_name
+
+    def done(self) -> bool:
+        """Whether the key is finished, erred or cancelled."""
+        return self._state.status != PENDING
+
+    def result(self, timeout: float | None = None):
+        """The result; raises the task's exception (remote traceback as its cause),
+        `CancelledError` if cancelled, ``TimeoutError`` after ``timeout`` seconds."""
+        client = self.client
+        if not client.asynchronous:
+            value = self._state.local_result()
+            if value is not _NOT_HERE:
+                return value
+        return client._sync(client._result, self, timeout)
+
+    def exception(self, timeout: float | None = None):
+        """The task's exception once done (None if it succeeded)."""
+        return self.client._sync(self.client._exception, self, timeout)
+
+    def traceback(self, timeout: float | None = None):
+        """The remote traceback text of a failed task once done (None otherwise)."""
+        return self.client._sync(self.client._traceback, self, timeout)
+
+    def cancel(self, force: bool = False):
+        """Cancel this key (for every client wanting it, with ``force``)."""
+        return self.client.cancel([self], force=force)
+
+    def retry(self):
+        """Run this failed task (and the failed tasks it depends on) again."""
+        return self.client.retry([self])
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        """Call ``fn(self)`` once done, on the client's loop thread; errors are logged."""
+        self.client._add_done_callbacks([self], fn)
+
+    def release(self) -> None:
+        """Drop this Future's hold on its key now instead of at garbage collection."""
+        if self._held:
+            self._held = False
+            self.client._release_later(self._state)
+
+    def __await__(self):
+        return self.client._result_anywhere(self).__await__()
+
+    def __del__(self) -> None:
+        if getattr(self, "_held", False):
+            self._held = False
+            self.client._release_later(self._state)
+
+    def __reduce__(self):
+        raise TypeError("a Future cannot be pickled: pass it in a task's arguments (also "
+                        "inside lists, tuples, sets and dicts) and the task gets its result")
+
+    def __dask_tokenize__(self):
+        return ("distributed_server.Future", self.key)
+
+    def __repr__(self) -> str:
+        state = self._state
+        kind = f", type: {state.type_name}" if state.status == FINISHED and state.type_name else ""
+        return f"<Future: {state.status}{kind}, key: {state.key!r}>"
+
+
+# ---------------------------------------------------------------------------- default client
+
+
+_default_client: Client | None = None
+
+
+def default_client() -> Client:
+    """The most recent client made with ``set_as_default=True`` and still open."""
+    if _default_client is None:
+        raise ValueError("no default client: create a Client first")
+    return _default_client
+
+
+def _set_default_client(client: Client) -> None:
+    """Make ``client`` the one `default_client` returns (a Client made with
+    ``set_as_default=True`` calls this once started)."""
+    global _default_client
+    _default_client = client
+
+
+def _forget_default_client(client: Client) -> None:
+    """No default client any more, if ``client`` is it (a closing Client calls this)."""
+    global _default_client
+    if _default_client is client:
+        _default_client = None
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _futures_in(futures) -> list[Future]:
+    """A single future or an iterable of futures, as a list."""
+    if isinstance(futures, Future):
+        return [futures]
+    if isinstance(futures, dict):
+        return list(futures.values())
+    return list(futures)
+
+
+def _unique_states(futures: Iterable[Future]) -> list[_KeyState]:
+    return list(dict.fromkeys(f._state for f in futures))
+
+
+# ---------------------------------------------------------------------------- wait, as_completed
+
+
+class DoneAndNotDoneFutures(NamedTuple):
+    """What `wait` returns: two sets of futures."""
+
+    done: set
+    not_done: set
+
+
+def wait(futures, timeout: float | None = None, return_when: str = ALL_COMPLETED):
+    """Wait until all (or, with FIRST_COMPLETED, any) of ``futures`` are done.
+
+    Returns ``(done, not_done)`` sets; raises ``TimeoutError`` after ``timeout`` seconds.
+    All futures must belong to one client; with an async client this returns an awaitable.
+    """
+    if return_when not in (ALL_COMPLETED, FIRST_COMPLETED):
+        raise ValueError(f"return_when must be ALL_COMPLETED or FIRST_COMPLETED, "
+                         f"not {return_when!r}")
+    futures = _futures_in(futures)
+    client = _client_of(futures)
+    if client is None:
+        return DoneAndNotDoneFutures(set(), set())
+    return client._sync(client._wait, futures, timeout, return_when)
+
+
+def _client_of(futures: list[Future]) -> Client | None:
+    clients = {id(f.client): f.client for f in futures}
+    if len(clients) > 1:
+        raise ValueError("these futures belong to different clients")
+    return next(iter(clients.values()), None)
+
+
+class as_completed:
+    """Iterate over futures as they finish: ``for future in as_completed(futures)``, or
+    ``async for`` with an async client.
+
+    ``with_results=True`` yields ``(future, result)`` pairs; a failed future then raises
+    its exception, or yields ``(future, exception)`` with ``raise_errors=False``.
+    `add` and `update` put more futures in while iterating.
+    """
+
+    def __init__(self, futures: Iterable[Future] = (), with_results: bool = False,
+                 raise_errors: bool = True) -> None:
+        self.with_results = with_results
+        self.raise_errors = raise_errors
+        self._cond = threading.Condition()
+        self._ready: collections.deque = collections.deque()
+        self._pending = 0
+        self._client: Client | None = None
+        self._wakeup: asyncio.Future | None = None
+        self.update(futures)
+
+    def add(self, future: Future) -> None:
+        """Include one more future."""
+        self.update([future])
+
+    def update(self, futures: Iterable[Future]) -> None:
+        """Include more futures."""
+        futures = list(futures)
+        client = _client_of(futures)
+        if client is None:
+            return
+        with self._cond:
+            if self._client not in (None, client):
+                raise ValueError("these futures belong to another client")
+            self._client = client
+            self._pending += len(futures)
+        client._add_done_callbacks(futures, self._on_done)
+
+    def count(self) -> int:
+        """How many futures are still to be yielded."""
+        with self._cond:
+            return self._pending + len(self._ready)
+
+    def _on_done(self, future: Future) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._ready.append(future)
+            self._cond.notify_all()
+            wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.get_loop().call_soon_threadsafe(_resolve, wakeup)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        client = self._client
+        if client is not None and client._on_loop():
+            raise RuntimeError("iterate an as_completed of this client with 'async for'")
+        with self._cond:
+            while not self._ready:
+                if not self._pending:
+                    raise StopIteration
+                self._cond.wait()
+            future = self._ready.popleft()
+        if not self.with_results:
+            return future
+        try:
+            return future, future.result()
+        except Exception as e:
+            if self.raise_errors:
+                raise
+            return future, e
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while True:
+            with self._cond:
+                if self._ready:
+                    future = self._ready.popleft()
+                    break
+                if not self._pending:
+                    raise StopAsyncIteration
+                self._wakeup = wakeup = asyncio.get_running_loop().create_future()
+            await wakeup
+        if not self.with_results:
+            return future
+        try:
+            return future, await future
+        except Exception as e:
+            if self.raise_errors:
+                raise
+            return future, e
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,264 @@
+"""Task specs: how `Client.submit`, `Client.map` and `Client.get` turn calls into task dicts.
+
+What this module does
+---------------------
+The worker runs ``pickle.loads(spec)(deps)`` and gets ``Call(func, args, kwargs)``. `map`
+pickles the function once (cloudpickle: by value where needed; `_PickledFunction`). When
+the arguments are builtin scalars, containers of them, and futures (`_ArgWalker`), each
+task's spec is that pickle's fixed opening followed by the standard pickle of its
+arguments, so the per-task cost is one small ``pickle.dumps`` instead of a cloudpickle of
+the whole call (which pickles a function defined in ``__main__`` by value every time).
+Other arguments go through cloudpickle. `submit` builds its spec the same way
+(`_TaskEncoder`), so ``submit(f, x)`` and ``map(f, [x])`` give the same key. A pure task's
+key is ``f"{funcname}-{blake2b(spec)}"``. Specs larger than `SPEC_BLOB_BYTES` travel as an
+out-of-band `Blob` (`_wire_spec`). Without dask, `Client.get` converts dict graphs of
+``(func, *args)`` tuples with `_LegacyGraph`.
+
+A future in a task's arguments becomes a ``TaskRef`` to its key (a dependency); this
+module knows futures (`distributed_server.futures`) but not the client.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import pickle
+import struct
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .comm import Blob
+from .futures import CANCELLED, CancelledError, Future
+from .serialize import Call, TaskRef, dumps_spec
+
+if TYPE_CHECKING:  # annotations only: the client imports this module, never the reverse
+    from .client import Client
+
+
+#: Task specs larger than this travel as an out-of-band Blob.
+SPEC_BLOB_BYTES = 64 * 1024
+
+
+_ATOMIC = frozenset({int, float, complex, bool, str, bytes, type(None), TaskRef})
+_SEQUENCES = (tuple, list, set, frozenset)
+
+
+class _PickledFunction:
+    """A function pickled once; each task's spec embeds these bytes.
+
+    Pickled inside a spec it is ``pickle.loads(payload)``, so the worker gets the function
+    back with nothing of this module needed on its side.
+    """
+
+    __slots__ = ("payload",)
+
+    def __init__(self, func: Callable) -> None:
+        self.payload = dumps_spec(func)
+
+    def __reduce__(self):
+        return (pickle.loads, (self.payload,))
+
+    def spec_head(self) -> bytes:
+        """The opening of ``pickle.dumps(Call(self, args, kwargs))``, up to ``args``.
+
+        Protocol-3 opcodes: PROTO 3, GLOBAL Call, GLOBAL pickle.loads, BINBYTES payload,
+        TUPLE1, REDUCE. It writes nothing to the memo, so pickles of ``args`` and
+        ``kwargs`` made separately (each numbering its memo from 0, and reading only
+        what it wrote) may follow it: see `_plain_spec_body`.
+        """
+        loads = pickle.loads
+        return b"".join([
+            b"\x80\x03",
+            f"c{Call.__module__}\n{Call.__qualname__}\n".encode(),
+            f"c{loads.__module__}\n{loads.__name__}\n".encode(),
+            b"B", struct.pack("<I", len(self.payload)), self.payload,
+            b"\x85R",
+        ])
+
+
+def _pickle_segment(obj) -> bytes:
+    """``obj``'s protocol-3 pickle without PROTO and STOP: opcodes that push ``obj``."""
+    return pickle.dumps(obj, protocol=3)[2:-1]
+
+
+def _plain_spec_body(args: tuple, kwargs: dict | None) -> bytes:
+    """What follows `_PickledFunction.spec_head`: args, kwargs, TUPLE3, REDUCE, STOP."""
+    kwargs_ops = _pickle_segment(kwargs) if kwargs else b"N"
+    return b"".join([_pickle_segment(args), kwargs_ops, b"\x87R."])
+
+
+class _ArgWalker:
+    """Replaces this client's futures in nested tuples, lists, sets and dicts by TaskRefs.
+
+    Collects their keys in ``deps`` and clears ``plain`` on meeting anything that is not
+    a builtin scalar, a container of those, or a future: only plain arguments may be
+    pickled with the standard pickler (which would pickle ``__main__`` objects by
+    reference, useless on a worker).
+    """
+
+    __slots__ = ("client", "deps", "plain")
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.deps: list = []
+        self.plain = True
+
+    def walk(self, obj):
+        typ = type(obj)
+        if typ in _ATOMIC:
+            return obj
+        if typ in _SEQUENCES:
+            return typ([self.walk(item) for item in obj])
+        if typ is dict:
+            if not all(type(k) in _ATOMIC for k in obj):
+                self.plain = False
+            return {k: self.walk(v) for k, v in obj.items()}
+        if isinstance(obj, Future):
+            return self._reference(obj)
+        self.plain = False
+        return obj
+
+    def _reference(self, future: Future) -> TaskRef:
+        if future.client is not self.client:
+            raise ValueError(f"{future!r} belongs to another client")
+        if future.status == CANCELLED:
+            raise CancelledError(f"{future.key!r} was cancelled; it cannot be an argument")
+        self.deps.append(future.key)
+        return TaskRef(future.key)
+
+
+def _funcname(func) -> str:
+    while isinstance(func, functools.partial):
+        func = func.func
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return "lambda" if name == "<lambda>" else name
+
+
+def _digest(*buffers) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for buffer in buffers:
+        h.update(buffer)
+    return h.hexdigest()
+
+
+def _wire_spec(spec: bytes):
+    return Blob(spec) if len(spec) > SPEC_BLOB_BYTES else spec
+
+
+def _task_options(retries, priority, workers, resources, allow_other_workers) -> dict:
+    """The optional task dict fields that differ from their defaults."""
+    options: dict = {}
+    if priority:
+        options["priority"] = int(priority)
+    if retries:
+        options["retries"] = int(retries)
+    if workers:
+        options["workers"] = [workers] if isinstance(workers, str) else list(workers)
+        if allow_other_workers:
+            options["allow_other_workers"] = True
+    if resources:
+        options["resources"] = dict(resources)
+    return options
+
+
+class _TaskEncoder:
+    """Turns calls of one function into task dicts; the function is pickled once.
+
+    Plain arguments (see `_ArgWalker`) take the fast path: the spec is the function's
+    pickled head plus the arguments' standard pickle, and a pure key hashes the head
+    once. Other arguments are pickled with cloudpickle, task by task. Either way the
+    spec unpickles to ``Call(func, args, kwargs)`` and a pure key is
+    ``f"{prefix}-{blake2b(spec)}"``.
+    """
+
+    def __init__(self, client: Client, func: Callable, pure: bool, options: dict,
+                 prefix: str | None = None) -> None:
+        if not callable(func):
+            raise TypeError(f"{func!r} is not callable")
+        self.client = client
+        self.func = _PickledFunction(func)
+        self.head = self.func.spec_head()
+        self.head_hash = hashlib.blake2b(self.head, digest_size=16)
+        self.prefix = prefix or _funcname(func)
+        self.pure = pure
+        self.options = options
+
+    def task(self, args: tuple, kwargs: dict | None, key=None) -> dict:
+        walker = _ArgWalker(self.client)
+        args = tuple([walker.walk(a) for a in args])
+        kwargs = walker.walk(kwargs) if kwargs else None
+        if walker.plain:
+            body = _plain_spec_body(args, kwargs)
+            spec = self.head + body
+            if key is None and self.pure:
+                digest = self.head_hash.copy()
+                digest.update(body)
+                key = f"{self.prefix}-{digest.hexdigest()}"
+        else:
+            spec = dumps_spec(Call(self.func, args, kwargs))
+            if key is None and self.pure:
+                key = f"{self.prefix}-{_digest(spec)}"
+        if key is None:
+            key = f"{self.prefix}-{uuid.uuid4().hex}"
+        task = {"key": key, "spec": _wire_spec(spec)}
+        if walker.deps:
+            task["deps"] = walker.deps
+        if self.options:
+            task.update(self.options)
+        return task
+
+
+def _identity(value):
+    """The spec of a legacy graph entry that is a literal or an alias of another key."""
+    return value
+
+
+class _LegacyGraph:
+    """Converts a dict graph of ``(func, *args)`` tuples into Call/TaskRef task specs.
+
+    An argument that is a key of the graph becomes a TaskRef (a dependency); a tuple
+    starting with a callable is a nested task; lists are walked; anything else is a
+    literal. An entry that is not a task (a literal, an alias, a list of keys) becomes a
+    Call of `_identity`.
+    """
+
+    def __init__(self, graph: dict) -> None:
+        self.graph = graph
+
+    def tasks(self, options: dict) -> list[dict]:
+        out = []
+        for key, value in self.graph.items():
+            deps: list = []
+            spec = self._convert(value, deps)
+            if type(spec) is not Call:
+                spec = Call(_identity, (spec,))
+            task = {"key": key, "spec": _wire_spec(dumps_spec(spec)), **options}
+            if deps:
+                task["deps"] = deps
+            out.append(task)
+        return out
+
+    def _convert(self, obj, deps: list):
+        if self._is_key(obj):
+            deps.append(obj)
+            return TaskRef(obj)
+        typ = type(obj)
+        if typ is tuple and obj and callable(obj[0]):
+            return Call(obj[0], tuple([self._convert(a, deps) for a in obj[1:]]))
+        if typ is list:
+            return [self._convert(item, deps) for item in obj]
+        return obj
+
+    def _is_key(self, obj) -> bool:
+        if type(obj) not in (str, int, float, tuple):
+            return False
+        try:
+            return obj in self.graph
+        except TypeError:  # a tuple holding something unhashable
+            return False
+
+
+def _flatten_keys(keys) -> list:
+    if type(keys) is list:
+        return [k for item in keys for k in _flatten_keys(item)]
+    return [keys]
