@@ -6,6 +6,22 @@ import subprocess
 
 import pytest
 
+from distributed_server import Client, LocalCluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two worker processes of one thread each, shared by the tests of one module."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    """A client of the module's cluster, closed after the test."""
+    with Client(cluster) as c:
+        yield c
+
 
 @pytest.fixture
 def self_signed_cert(tmp_path) -> tuple:

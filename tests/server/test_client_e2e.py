@@ -69,18 +69,6 @@ def flaky(path: str, failures: int):
     return calls
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cluster):
-    with Client(cluster) as c:
-        yield c
-
-
 def workers_of(client) -> list[str]:
     return sorted(client.scheduler_info()["workers"])
 

@@ -31,7 +31,6 @@ from dask.delayed import Delayed
 
 from distributed_server import dask_support
 from distributed_server.client import Client, wait
-from distributed_server.cluster import LocalCluster
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -74,18 +73,6 @@ def flaky(x, path, failures):
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cluster):
-    with Client(cluster) as c:
-        yield c
 
 
 def workers_of(client) -> list[str]:
