@@ -272,7 +272,6 @@ def key_prefix(key) -> str:
     return "-".join(words) if words else parts[0]
 
 
-_INT = (int,)
 _BYTES = (bytes, bytearray, memoryview)
 _SEQUENCE = (list, tuple)
 
@@ -673,7 +672,6 @@ class SchedulerState:
         """``{key: [worker address, ...]}`` for the given keys that are in memory."""
         out = {}
         ts: TaskState
-        ws: WorkerState
         for key in keys:
             ts = self.tasks.get(key)
             if ts is not None and ts.who_has is not None:
@@ -954,7 +952,6 @@ class SchedulerState:
     @cython.cfunc
     def _processing_memory(self, ts: TaskState, ws: WorkerState, nbytes: cython.Py_ssize_t,
                            type_name, duration: cython.double, data) -> None:
-        dts: TaskState
         cs: ClientState
         self._unassign(ts)
         ts.prefix.add_duration(duration)
@@ -1267,8 +1264,6 @@ class SchedulerState:
 
     @cython.cfunc
     def _assign(self, ts: TaskState, ws: WorkerState) -> None:
-        dep: TaskState
-        dws: WorkerState
         ts.processing_on = ws
         ts.estimate = self._estimate(ts)
         ws.processing.add(ts)
