@@ -1562,6 +1562,8 @@ def _parse_finished(report) -> tuple:
     nbytes = report.get("nbytes", 0)
     if type(nbytes) is not int:
         raise TypeError(f"nbytes of {key!r} must be an int, not {nbytes!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes of {key!r} must not be negative, not {nbytes!r}")
     type_name = report.get("type")
     if type_name is not None and not isinstance(type_name, str):
         raise TypeError(f"type of {key!r} must be a str, not {type_name!r}")

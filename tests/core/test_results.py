@@ -146,6 +146,16 @@ def test_malformed_finished_report_changes_nothing():
     assert states(sim.state) == {"x": "processing"}
 
 
+def test_finished_report_with_a_negative_size_changes_nothing():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x"), task("y")], ["x", "y"])
+    with pytest.raises(ValueError, match="negative"):
+        sim.state.task_finished("A", [{"key": "x", "nbytes": 8},
+                                      {"key": "y", "nbytes": -1}], "bad")
+    assert states(sim.state) == {"x": "processing", "y": "processing"}
+
+
 # -- task_erred ----------------------------------------------------------------------------
 
 
