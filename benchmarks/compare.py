@@ -586,16 +586,10 @@ def check_targets(rows: list) -> list:
 
 
 def machine_label() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}"
+    import core  # benchmarks/core.py
+
+    info = core.machine_info()
+    return f"{info['cpus']} CPUs ({info['cpu']}), Python {platform.python_version()}"
 
 
 def draw_chart(rows: list, header: dict, path: str) -> str | None:
