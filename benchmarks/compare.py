@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,7 +58,7 @@ import e2e  # noqa: E402  - the measurement code of workloads 1, 2, 4, 7
 
 REPO = e2e.REPO
 RESULTS_DIR = e2e.RESULTS_DIR
-RESULT_MARK = "COMPARE-RESULT "
+RESULT_MARK = e2e.RESULT_MARK  # what e2e.run_child looks for
 DCORE, DCORE_PURE, DASK, DASK_NOQ = "dcore", "dcore-pure", "dask", "dask-noqueue"
 
 
@@ -281,37 +280,6 @@ class Budget:
         return None if left < 15 else min(wanted, left)
 
 
-def run_compare_child(spec: dict, env: dict, timeout: float) -> dict:
-    """One compare.py child in its own session, killed with its cluster at timeout."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
-            tempfile.TemporaryDirectory(prefix="compare-cwd-") as cwd:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True, cwd=cwd)
-        result = None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-            out.seek(0)
-            for line in out.read().splitlines():
-                if line.startswith(RESULT_MARK):
-                    result = json.loads(line[len(RESULT_MARK):])
-            if result is not None:  # measured; the cluster's shutdown is not waited for
-                break
-        e2e._kill_session(proc)
-        if result is not None:
-            return result
-        out.seek(0)
-        for line in out.read().splitlines():
-            if line.startswith(RESULT_MARK):
-                return json.loads(line[len(RESULT_MARK):])
-        if time.monotonic() >= deadline:
-            return {"error": f"did not finish in {timeout:.0f} s"}
-        err.seek(0)
-        tail = [ln for ln in err.read().strip().splitlines() if ln.strip()][-3:]
-        return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)[-300:]}
-
-
 def sizes(args) -> dict:
     q = args.quick
     return {
@@ -388,7 +356,7 @@ def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
                     spec = {"kind": kind, "system": system, **extra}
                     if kind == "seed":  # the limit must leave time for the cluster
                         spec["limit"] = round(min(extra["limit"], timeout - 60))
-                    result = run_compare_child(spec, envs[v], timeout)
+                    result = e2e.run_child(spec, envs[v], timeout, script=__file__)
                 result["repeat"] = r
                 raw.setdefault(cell_id, {}).setdefault(v, []).append(result)
                 print(f"  [{r + 1}/{repeats}] {cell_id:<18} {v:<13} "

@@ -419,30 +419,42 @@ def versions() -> dict:
     return out
 
 
-def run_child(spec: dict, env: dict, timeout: float) -> dict:
-    """Run one measurement in its own session; kill the whole session on timeout."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+def run_child(spec: dict, env: dict, timeout: float, script: str = __file__) -> dict:
+    """Run one measurement (``script --child spec``) in its own session.
+
+    Returns as soon as the child prints its result (a cluster's shutdown is not waited
+    for) and kills the whole session then, or at ``timeout``."""
+    cmd = [sys.executable, os.path.abspath(script), "--child", json.dumps(spec)]
     # An empty working directory: `python -m` puts it first on the cluster processes'
     # sys.path, where a stray module of the same name must not shadow ours.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
-            tempfile.TemporaryDirectory(prefix="e2e-cwd-") as cwd:
+            tempfile.TemporaryDirectory(prefix="bench-cwd-") as cwd:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True, cwd=cwd)
-        try:
-            proc.wait(timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        deadline = time.monotonic() + timeout
+        result = _result_in(out)
+        while result is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            result = _result_in(out)
         _kill_session(proc)
-        if timed_out:
+        if result is None:
+            result = _result_in(out)
+        if result is not None:
+            return result
+        if time.monotonic() >= deadline:
             return {"error": f"did not finish in {timeout:g} s"}
-        out.seek(0)
         err.seek(0)
-        for line in out.read().splitlines():
-            if line.startswith(RESULT_MARK):
-                return json.loads(line[len(RESULT_MARK):])
         tail = [ln for ln in err.read().strip().splitlines() if ln.strip()][-3:]
         return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)[-300:]}
+
+
+def _result_in(out) -> dict | None:
+    """The result line a child printed so far, if any."""
+    out.seek(0)
+    for line in out.read().splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    return None
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
