@@ -50,10 +50,13 @@ WORKER_RUNNING = "running"
 WORKER_CLOSED = "closed"
 
 _UNLIMITED_SLOTS = 2 ** 62
+_INT32_MIN = -2 ** 31
+_INT32_MAX = 2 ** 31 - 1
 # Every task counts at least this long in a worker's occupancy: the scheduling overhead
 # of a task. It bounds how many tiny tasks the queue horizon lets a worker hold.
 _MIN_TASK_ESTIMATE = 0.0005
 _NO_DEPENDENCIES = ()
+_LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 
 
 class InvalidTransition(RuntimeError):
@@ -109,6 +112,7 @@ class ClientState:
 
     client_id: str
     wants_what: set
+    alone: tuple  # (self,): the who_wants of every task only this client wants
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -116,6 +120,7 @@ class ClientState:
     def __init__(self, client_id: str):
         self.client_id = client_id
         self.wants_what = set()
+        self.alone = (self,)
 
     def __repr__(self):
         return f"<ClientState {self.client_id!r} wants {len(self.wants_what)}>"
@@ -137,6 +142,7 @@ class WorkerState:
     nbytes: cython.Py_ssize_t
     occupancy: cython.double  # estimated seconds of work assigned and not yet finished
     status: str
+    alone: tuple  # (self,): the who_has of every result only this worker holds
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -153,10 +159,43 @@ class WorkerState:
         self.nbytes = 0
         self.occupancy = 0.0
         self.status = WORKER_RUNNING
+        self.alone = (self,)
 
     def __repr__(self):
         return (f"<WorkerState {self.address!r} processing={len(self.processing)} "
                 f"memory={len(self.has_what)}>")
+
+
+@cython.dataclasses.dataclass(init=False, repr=False, eq=False)
+@cython.final
+@cython.cclass
+class TaskOptions:
+    """What few tasks have: placement restrictions and annotations (kept off TaskState,
+    which stays small for the many tasks without them)."""
+
+    workers: Optional[frozenset]  # addresses or names it may run on
+    resources: Optional[dict]  # name -> quantity it needs on its worker
+    loose: cython.bint  # may run elsewhere if no allowed worker exists
+    annotations: Optional[dict]
+
+    if not cython.compiled:
+        __slots__ = tuple(__annotations__)
+
+    def __init__(self, workers: Optional[frozenset], resources: Optional[dict],
+                 loose: cython.bint, annotations: Optional[dict]):
+        self.workers = workers
+        self.resources = resources
+        self.loose = loose
+        self.annotations = annotations
+
+    @property
+    def restricted(self) -> bool:
+        """Whether it limits where the task may run."""
+        return self.workers is not None or self.resources is not None
+
+    def __repr__(self):
+        return (f"<TaskOptions workers={self.workers} resources={self.resources} "
+                f"loose={self.loose}>")
 
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -173,29 +212,28 @@ class TaskState:
     is dropped cuts the links of the tasks it still holds.
     """
 
+    # Compiled, this is 160 bytes a task: 32-bit counters (update_graph checks the
+    # ranges), and the rarely set fields in one optional TaskOptions.
     key: object
     prefix: TaskPrefix
     state: str
     run_spec: object  # opaque bytes; None for data that was scattered, not computed
-    priority_user: cython.Py_ssize_t  # negated user priority: lower runs first
     generation: cython.Py_ssize_t  # which update_graph brought it
-    order: cython.Py_ssize_t  # position in its graph's order
+    priority_user: cython.int  # negated user priority: lower runs first
+    order: cython.int  # position in its graph's order
+    n_waiting_on: cython.int  # while waiting: dependencies not yet in memory
+    n_waiters: cython.int  # dependents in an active state (they need this result)
+    retries: cython.int
+    suspicious: cython.int  # workers that died while running it
     dependencies: tuple
     dependents: Optional[set]
-    n_waiting_on: cython.Py_ssize_t  # while waiting: dependencies not yet in memory
-    n_waiters: cython.Py_ssize_t  # dependents in an active state (they need this result)
     who_wants: Optional[tuple]  # ClientStates
     who_has: Optional[tuple]  # WorkerStates holding the result
     processing_on: Optional[WorkerState]
     estimate: cython.double  # duration estimate while processing (kept for occupancy)
     nbytes: cython.Py_ssize_t  # size of the result; -1 while unknown
     type_name: Optional[str]
-    retries: cython.Py_ssize_t
-    suspicious: cython.Py_ssize_t  # workers that died while running it
-    worker_restrictions: Optional[frozenset]
-    resource_restrictions: Optional[dict]
-    loose_restrictions: cython.bint
-    annotations: Optional[dict]
+    options: Optional[TaskOptions]  # restrictions and annotations, if it has any
     error: Optional[tuple]  # (exception bytes, traceback bytes, text, key to blame)
 
     if not cython.compiled:
@@ -221,10 +259,7 @@ class TaskState:
         self.type_name = None
         self.retries = 0
         self.suspicious = 0
-        self.worker_restrictions = None
-        self.resource_restrictions = None
-        self.loose_restrictions = False
-        self.annotations = None
+        self.options = None
         self.error = None
 
     @property
@@ -237,9 +272,9 @@ class TaskState:
 
 
 @cython.cfunc
-def _tuple_with(items: Optional[tuple], item) -> tuple:
+def _tuple_with(items: Optional[tuple], item, alone: tuple) -> tuple:
     if items is None:
-        return (item,)
+        return alone  # shared: most tasks are wanted by one client, held by one worker
     return items + (item,)
 
 
@@ -301,8 +336,9 @@ def _check_new_task(key, entry: dict) -> None:
         raise GraphError(f"task {key!r}: 'deps' must be a list of keys")
     for field in ("priority", "order", "retries"):
         value = entry.get(field)
-        if value is not None and (type(value) is not int):
-            raise GraphError(f"task {key!r}: {field!r} must be an int, not {value!r}")
+        if value is not None and (type(value) is not int or not _INT32_MIN < value <= _INT32_MAX):
+            raise GraphError(f"task {key!r}: {field!r} must be an int of 32 bits, "
+                             f"not {value!r}")
     if (entry.get("retries") or 0) < 0:
         raise GraphError(f"task {key!r}: 'retries' must not be negative")
     workers = entry.get("workers")
@@ -350,7 +386,7 @@ class SchedulerState:
     allowed_failures: cython.Py_ssize_t
     default_duration: cython.double
     clock: object
-    _log_entries: list  # ring buffer of (key, start, finish, stimulus_id, time)
+    _log_entries: list  # ring buffer, flat: key, start, finish, stimulus_id, time, key, ...
     _log_capacity: cython.Py_ssize_t
     _log_next: cython.Py_ssize_t
     transition_counter: cython.Py_ssize_t
@@ -683,7 +719,8 @@ class SchedulerState:
         """The latest transitions, oldest first: ``(key, start, finish, stimulus_id, time)``.
 
         Bounded by ``transition_log_length``; a copy, so reading it changes nothing."""
-        entries = self._log_entries
+        flat = self._log_entries
+        entries = [tuple(flat[i:i + _LOG_FIELDS]) for i in range(0, len(flat), _LOG_FIELDS)]
         return entries[self._log_next:] + entries[:self._log_next]
 
     def clear_transition_log(self) -> None:
@@ -764,12 +801,20 @@ class SchedulerState:
     def _log(self, ts: TaskState, start: str) -> None:
         if ts.state != start:
             self.transition_counter += 1
-            entry = (ts.key, start, ts.state, self._stimulus_id, self._now)
-            if len(self._log_entries) < self._log_capacity:
-                self._log_entries.append(entry)
-            elif self._log_capacity > 0:
-                self._log_entries[self._log_next] = entry
-                self._log_next = (self._log_next + 1) % self._log_capacity
+            if self._log_capacity <= 0:
+                return
+            # Flat, not a tuple an entry: 40 bytes a transition instead of 88.
+            log = self._log_entries
+            i: cython.Py_ssize_t = self._log_next * 5  # _LOG_FIELDS, as a C constant
+            if i == len(log):
+                log.extend((ts.key, start, ts.state, self._stimulus_id, self._now))
+            else:
+                log[i] = ts.key
+                log[i + 1] = start
+                log[i + 2] = ts.state
+                log[i + 3] = self._stimulus_id
+                log[i + 4] = self._now
+            self._log_next = (self._log_next + 1) % self._log_capacity
 
     # ------------------------------------------------------------------ transitions
 
@@ -1067,7 +1112,7 @@ class SchedulerState:
     @cython.cfunc
     def _add_want_quiet(self, ts: TaskState, cs: ClientState) -> None:
         if ts.who_wants is None or cs not in ts.who_wants:
-            ts.who_wants = _tuple_with(ts.who_wants, cs)
+            ts.who_wants = _tuple_with(ts.who_wants, cs, cs.alone)
             cs.wants_what.add(ts)
 
     @cython.cfunc
@@ -1089,7 +1134,7 @@ class SchedulerState:
             return
         if ts.who_has is None:
             ts.nbytes = nbytes
-        ts.who_has = _tuple_with(ts.who_has, ws)
+        ts.who_has = _tuple_with(ts.who_has, ws, ws.alone)
         ws.has_what.add(ts)
         ws.nbytes += ts.nbytes
 
@@ -1172,20 +1217,21 @@ class SchedulerState:
 
     @cython.cfunc
     def _queue_eligible(self, ts: TaskState) -> cython.bint:
-        return (not ts.dependencies and ts.worker_restrictions is None
-                and ts.resource_restrictions is None
+        return (not ts.dependencies and (ts.options is None or not ts.options.restricted)
                 and not math.isinf(self.worker_saturation))
 
     @cython.cfunc
     def _worker_fits(self, ws: WorkerState, ts: TaskState, strict: cython.bint) -> cython.bint:
-        if strict and ts.worker_restrictions is not None \
-                and ws.address not in ts.worker_restrictions \
-                and ws.name not in ts.worker_restrictions:
+        options: TaskOptions = ts.options
+        if options is None:
+            return True
+        if strict and options.workers is not None \
+                and ws.address not in options.workers and ws.name not in options.workers:
             return False
-        if ts.resource_restrictions is not None:
+        if options.resources is not None:
             if ws.resources is None:
                 return False
-            for name, quantity in ts.resource_restrictions.items():
+            for name, quantity in options.resources.items():
                 if ws.resources.get(name, 0) < quantity:
                     return False
         return True
@@ -1201,8 +1247,7 @@ class SchedulerState:
         ws: WorkerState
         best: WorkerState = None
         dep: TaskState
-        restricted: cython.bint = (ts.worker_restrictions is not None
-                                   or ts.resource_restrictions is not None)
+        loose: cython.bint = ts.options is not None and ts.options.loose
         if ts.dependencies:
             local = {}
             for dep in ts.dependencies:
@@ -1210,7 +1255,7 @@ class SchedulerState:
                     for ws in dep.who_has:
                         local[ws] = local.get(ws, 0) + max(dep.nbytes, 0)
             for strict in (True, False):
-                if not strict and not ts.loose_restrictions:
+                if not strict and not loose:
                     break
                 best = self._best_by_bytes(ts, local, True, strict)
                 if best is None:
@@ -1218,10 +1263,10 @@ class SchedulerState:
                 if best is not None:
                     break
             return best
-        if not restricted:
+        if ts.options is None or not ts.options.restricted:
             return self._least_busy(self.idle.values(), ts, True)
         best = self._least_busy(self.workers.values(), ts, True)
-        if best is None and ts.loose_restrictions:
+        if best is None and loose:
             best = self._least_busy(self.workers.values(), ts, False)
         return best
 
@@ -1277,8 +1322,8 @@ class SchedulerState:
         if ts.dependencies:
             msg["who_has"] = {dep.key: [dws.address for dws in dep.who_has]
                               for dep in ts.dependencies}
-        if ts.resource_restrictions is not None:
-            msg["resources"] = ts.resource_restrictions
+        if ts.options is not None and ts.options.resources is not None:
+            msg["resources"] = ts.options.resources
         self._send_worker(ws, msg)
 
     @cython.cfunc
@@ -1411,15 +1456,14 @@ class SchedulerState:
                     else:
                         dep.dependents.add(ts)
             workers = entry.get("workers")
-            if workers:
-                ts.worker_restrictions = frozenset(workers)
-                ts.loose_restrictions = bool(entry.get("allow_other_workers", False))
             resources = entry.get("resources")
-            if resources:
-                ts.resource_restrictions = dict(resources)
             annotations = entry.get("annotations")
-            if annotations:
-                ts.annotations = annotations
+            if workers or resources or annotations:
+                ts.options = TaskOptions(
+                    frozenset(workers) if workers else None,
+                    dict(resources) if resources else None,
+                    bool(workers) and bool(entry.get("allow_other_workers", False)),
+                    annotations or None)
             tasks[key] = ts
             created.append(ts)
         return created

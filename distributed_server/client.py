@@ -126,6 +126,9 @@ PEER_POOL_SIZE = 4
 FETCH_ROUNDS = 12
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
+#: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
+#: this bounds what a large map costs it in transient memory.
+MAP_BATCH_TASKS = 10_000
 
 
 # Client statuses
@@ -730,8 +733,8 @@ class Client:
             priority: int = 0, workers=None, resources: dict | None = None,
             allow_other_workers: bool = False, batch_size: int | None = None,
             **kwargs) -> list[Future]:
-        """``submit`` over zipped ``iterables`` in one update-graph (or one per
-        ``batch_size`` tasks). ``key`` is a key prefix or a list of keys."""
+        """``submit`` over zipped ``iterables``: one update-graph per ``batch_size``
+        tasks (default `MAP_BATCH_TASKS`). ``key`` is a key prefix or a list of keys."""
         keys = key if isinstance(key, list) else None
         prefix = key if isinstance(key, str) else None
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
@@ -741,7 +744,7 @@ class Client:
             raise ValueError(f"map got {len(keys)} keys for {len(arg_tuples)} tasks")
         tasks = [encoder.task(args, kwargs, keys[i] if keys else None)
                  for i, args in enumerate(arg_tuples)]
-        step = batch_size or len(tasks) or 1
+        step = batch_size or MAP_BATCH_TASKS
         futures: list[Future] = []
         for start in range(0, len(tasks), step):
             futures.extend(self._register(tasks[start:start + step]))

@@ -101,6 +101,10 @@ DEFAULT_INTERVAL = 0.002
 #: Frames `send` may flush at once within one ``interval`` before it waits out the window:
 #: a request/response exchange never waits, a stream of sends is batched.
 BURST_FRAMES = 4
+#: A batch that encodes to more than this goes out as several frames of about this size
+#: (whole messages each): the receiver decodes a frame at once, so this bounds the
+#: memory a burst of large messages (graph slices) takes there at a time.
+FRAME_SPLIT_BYTES = 1024 * 1024
 
 _SCHEMES = ("tcp", "tls")
 _HEAD = struct.Struct("<QQ")  # buffer count n, body length
@@ -195,7 +199,7 @@ class Blob:
 
 
 class _Encoder:
-    """Turns a batch of message dicts into the byte chunks of one frame.
+    """Turns a batch of message dicts into the byte chunks of a frame (or of a few).
 
     Holds one reused ``msgpack.Packer``; its ``default`` hook moves each `Blob` into
     the frame's buffer list. Not reentrant, which is fine: packing never awaits.
@@ -215,8 +219,35 @@ class _Encoder:
 
     def encode(self, msgs: list[dict]) -> list[bytes | memoryview]:
         """The frame for ``msgs``, as chunks to write in order. Raises TypeError."""
-        self._buffers = buffers = []
+        self._buffers = []
+        return self._frame(self._packer.pack(msgs))
+
+    def encode_frames(self, msgs: list[dict], split_bytes: int) -> list[list]:
+        """``msgs`` as one frame, or as several of about ``split_bytes`` of body each
+        (never splitting a message) if one frame would be larger."""
+        self._buffers = []
         body = self._packer.pack(msgs)
+        if len(msgs) == 1 or len(body) <= split_bytes:
+            return [self._frame(body)]
+        frames, parts, size = [], [], 0
+        self._buffers = []
+        for msg in msgs:
+            part = self._packer.pack(msg)
+            parts.append(part)
+            size += len(part)
+            if size >= split_bytes:
+                frames.append(self._frame(self._array(parts)))
+                parts, size, self._buffers = [], 0, []
+        if parts:
+            frames.append(self._frame(self._array(parts)))
+        return frames
+
+    def _array(self, packed: list[bytes]) -> bytes:
+        return self._packer.pack_array_header(len(packed)) + b"".join(packed)
+
+    def _frame(self, body: bytes) -> list[bytes | memoryview]:
+        """Header, body and the Blobs collected while packing it, as chunks to write."""
+        buffers = self._buffers
         if buffers:
             n = len(buffers)
             lengths = [len(body)] + [b.nbytes for b in buffers]
@@ -370,12 +401,14 @@ class Comm:
             self.abort()
 
     def _write_frame(self, msgs: list[dict]) -> Awaitable:
-        """Encode and hand one frame to tornado; returns the last chunk's future."""
-        chunks = self._encoder.encode(msgs)
+        """Encode and hand the batch to tornado (one frame, or several if it is large:
+        `FRAME_SPLIT_BYTES`); returns the last chunk's future."""
+        frames = self._encoder.encode_frames(msgs, FRAME_SPLIT_BYTES)
         write = self._stream.write
-        for chunk in chunks:
-            future = write(chunk)
-        self._frames_in_window += 1
+        for chunks in frames:
+            for chunk in chunks:
+                future = write(chunk)
+        self._frames_in_window += len(frames)
         self._last_write = future
         return future
 

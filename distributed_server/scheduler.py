@@ -183,8 +183,9 @@ class Scheduler:
         """Read batches until the peer leaves; a bad message closes this comm only."""
         try:
             while True:
-                msgs = await comm.read()
-                handle(peer, msgs)
+                # Not bound to a name: a decoded batch (a whole graph, maybe) must not
+                # stay alive while the loop waits for the next one.
+                handle(peer, await comm.read())
         except ProtocolError as exc:
             logger.error("closing connection to %s: %s", peer, exc)
         except CommClosedError:

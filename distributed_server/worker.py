@@ -299,6 +299,7 @@ class Worker:
                         break
                     continue
                 self._handle_batch(msgs)
+                del msgs  # not kept alive while waiting for the next batch
                 if self._close_requested:
                     logger.info("worker %s: the scheduler asked it to close", self.address)
                     break

@@ -163,6 +163,17 @@ def test_user_priority_and_graph_order_make_the_compute_priority():
     assert worker_msgs == {"A": [compute("b", "g", (-5, 1, 7))]}
 
 
+def test_the_largest_32_bit_priorities_and_orders_are_kept_exactly():
+    sim = Sim(worker_saturation=INF)
+    sim.add_worker("A", 4)
+    top, bottom = 2 ** 31 - 1, -(2 ** 31 - 1)
+    _, worker_msgs = sim.submit([task("hi", priority=top, order=top),
+                                 task("lo", priority=bottom, order=0)], ["hi", "lo"],
+                                stimulus_id="g")
+    assert sorted(worker_msgs["A"], key=lambda m: m["key"]) == [
+        compute("hi", "g", (-top, 0, top)), compute("lo", "g", (-bottom, 0, 0))]
+
+
 def test_graph_decoded_from_the_wire_as_tuples_is_accepted():
     sim = Sim()
     sim.add_worker("A", 1)
@@ -218,7 +229,11 @@ MALFORMED = {
     "priority-str": ({"key": "p", "spec": b"s", "priority": "high"}, "'priority'"),
     "priority-float": ({"key": "p", "spec": b"s", "priority": 1.5}, "'priority'"),
     "priority-bool": ({"key": "p", "spec": b"s", "priority": True}, "'priority'"),
+    "priority-beyond-32-bits": ({"key": "p", "spec": b"s", "priority": 2 ** 31}, "32 bits"),
+    "priority-below-32-bits": ({"key": "p", "spec": b"s", "priority": -2 ** 31}, "32 bits"),
     "order-str": ({"key": "p", "spec": b"s", "order": "1"}, "'order'"),
+    "order-beyond-32-bits": ({"key": "p", "spec": b"s", "order": 2 ** 40}, "'order'"),
+    "retries-beyond-32-bits": ({"key": "p", "spec": b"s", "retries": 2 ** 31}, "'retries'"),
     "retries-str": ({"key": "p", "spec": b"s", "retries": "3"}, "'retries'"),
     "retries-negative": ({"key": "p", "spec": b"s", "retries": -1}, "'retries'"),
     "workers-a-str": ({"key": "p", "spec": b"s", "workers": "A"}, "'workers'"),

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from distributed_server import client as client_module
 from distributed_server.client import (
     FIRST_COMPLETED,
     CancelledError,
@@ -375,6 +376,13 @@ def test_map_sends_one_update_graph(scheduler, client):
     assert client.gather(futures) == list(range(1, 101))
     (msg,) = scheduler.sent("update-graph")
     assert len(msg["tasks"]) == 100 and len(set(msg["keys"])) == 100
+
+
+def test_a_large_map_goes_in_update_graphs_of_map_batch_tasks(scheduler, client, monkeypatch):
+    monkeypatch.setattr(client_module, "MAP_BATCH_TASKS", 40)
+    futures = client.map(inc, range(100))
+    assert client.gather(futures) == list(range(1, 101))
+    assert [len(g["tasks"]) for g in scheduler.sent("update-graph")] == [40, 40, 20]
 
 
 def test_map_batches_and_shares_duplicate_keys(scheduler, client):

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from distributed_server import comm as comm_module
 from distributed_server.comm import (
     PROTOCOL_VERSION,
     BURST_FRAMES,
@@ -265,6 +266,40 @@ def test_batched_send_coalesces_many_sends_into_few_frames():
             frames += 1
         assert [m["i"] for m in received] == list(range(count))
         assert frames <= count // 50, frames
+        await comm.close()
+        await listener.stop()
+
+    run(main())
+
+
+def test_a_large_batch_goes_out_as_frames_of_whole_messages(monkeypatch):
+    """The receiver decodes a frame at once: a batch larger than FRAME_SPLIT_BYTES is cut
+    into several frames, between messages, in order, Blobs intact."""
+    monkeypatch.setattr(comm_module, "FRAME_SPLIT_BYTES", 20_000)
+    blob = bytes(range(256)) * 40
+
+    async def main():
+        recorder = Recorder()
+        listener = await listen("tcp://127.0.0.1:0", recorder, {})
+        comm = await connect(listener.address, {}, interval=0.05)
+        for i in range(60):
+            msg = {"op": "n", "i": i, "pad": "x" * 3_000}
+            if i % 7 == 0:
+                msg["blob"] = Blob(blob)
+            comm.send(msg)
+        frames = []
+        while sum(map(len, frames)) < 60:
+            frames.append(await recorder.frames.get())
+        assert len(frames) >= 8
+        assert all(len(frame) <= 7 for frame in frames)  # 3 kB messages, 20 kB frames
+        received = [msg for frame in frames for msg in frame]
+        assert [m["i"] for m in received] == list(range(60))
+        for m in received:
+            assert ("blob" in m) == (m["i"] % 7 == 0)
+            if "blob" in m:
+                assert bytes(m["blob"]) == blob
+        comm.send({"op": "alone", "pad": "y" * 50_000})  # one large message: one frame
+        assert [m["op"] for m in await recorder.frames.get()] == ["alone"]
         await comm.close()
         await listener.stop()
 
