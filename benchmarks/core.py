@@ -32,7 +32,7 @@ update_graph message: those are all created before tracing starts (the keys' own
 shown in a separate column). They DO count everything the scheduler allocates: TaskStates,
 dependency tuples, dependents sets, the tasks dict, the client's wants_what set, the
 queue heap entries, the unrunnable dict, TaskPrefixes. The transition log (a deque
-bounded at 100,000 entries) is shown separately. The "memory" row holds N finished
+bounded at 10,000 entries by default) is shown separately. The "memory" row holds N finished
 independent tasks whose results the client still wants.
 
 The parent process starts one subprocess per variant (``DISTRIBUTED_CORE_PURE=1`` for the
@@ -530,7 +530,7 @@ def print_table(combined: dict) -> None:
               "tuples, dependents sets, tasks dict,")
         print("  wants_what, queue heap entries, unrunnable dict, worker sets. Not counted: keys, "
               "run-spec bytes, task dicts (made before")
-        print("  tracing). 'log' = the bounded transition log (<= 100,000 entries), shown apart. "
+        print("  tracing). 'log' = the bounded transition log (<= 10,000 entries), shown apart. "
               "'keys' = the key objects' own size.")
         print(f"  {'workload':26s} {'held as':30s} {'comp':>6s} {'+log':>5s} "
               f"{'interp':>6s} {'+log':>5s} {'keys':>5s}")

@@ -17,8 +17,9 @@ Rules of this module (everything that decides a task's state lives in this file)
   are called directly by that stimulus.
 - Lean tasks. Collections a task needs only for part of its life are ``None`` until
   needed and set back to ``None`` when done; tiny, rarely changing ones (who holds a
-  result, who wants it) are tuples; counters stand in for sets where only the count
-  matters (``n_waiting_on``, ``n_waiters``).
+  result, who wants it) are tuples, and so are a task's dependents while they are few;
+  counters stand in for sets where only the count matters (``n_waiting_on``,
+  ``n_waiters``).
 - The same source runs compiled by Cython and imported as plain Python.
 """
 from __future__ import annotations
@@ -57,6 +58,8 @@ _INT32_MAX = 2 ** 31 - 1
 _MIN_TASK_ESTIMATE = 0.0005
 _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
+_LAYER_CACHE_SIZE = 10_000  # layer names (key[0] of tuple keys) remembered at most
+_DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
 
 
 class InvalidTransition(RuntimeError):
@@ -226,7 +229,7 @@ class TaskState:
     retries: cython.int
     suspicious: cython.int  # workers that died while running it
     dependencies: tuple
-    dependents: Optional[set]
+    dependents: object  # None; a tuple while few (most tasks have 1-2); a set when many
     who_wants: Optional[tuple]  # ClientStates
     who_has: Optional[tuple]  # WorkerStates holding the result
     processing_on: Optional[WorkerState]
@@ -284,6 +287,29 @@ def _tuple_without(items: Optional[tuple], item) -> Optional[tuple]:
         return None
     rest = tuple([x for x in items if x is not item])
     return rest if rest else None
+
+
+@cython.cfunc
+def _with_dependent(dependents, ts: TaskState) -> object:
+    # A set costs 216 bytes even for one member, a tuple 40 + 8 a member.
+    if dependents is None:
+        return (ts,)
+    if type(dependents) is tuple:
+        if len(dependents) < _DEPENDENTS_TUPLE_MAX:
+            return dependents + (ts,)
+        dependents = set(dependents)
+    dependents.add(ts)
+    return dependents
+
+
+@cython.cfunc
+def _without_dependent(dependents, ts: TaskState) -> object:
+    """What remains of ``dependents`` without ``ts``; None if nothing."""
+    if type(dependents) is tuple:
+        rest = tuple([x for x in dependents if x is not ts])
+        return rest if rest else None
+    dependents.discard(ts)
+    return dependents if dependents else None
 
 
 @cython.cfunc
@@ -375,7 +401,7 @@ class SchedulerState:
     workers: dict
     clients: dict
     prefixes: dict
-    _prefix_of_name: dict  # key[0] of tuple keys -> TaskPrefix
+    _prefix_of_name: dict  # key[0] of tuple keys -> (that key[0], its TaskPrefix); a cache
     idle: dict  # address -> WorkerState that is not saturated
     queued: list  # heap of (priority_user, generation, order, seq, TaskState)
     n_queued: cython.Py_ssize_t
@@ -403,7 +429,7 @@ class SchedulerState:
 
     def __init__(self, *, validate: bool = False, worker_saturation: float = 1.1,
                  queue_horizon: float = 0.05, allowed_failures: int = 3, default_duration: float = 0.5,
-                 transition_log_length: int = 100_000, clock=None):
+                 transition_log_length: int = 10_000, clock=None):
         self.tasks = {}
         if not worker_saturation > 0:
             raise ValueError(f"worker_saturation must be positive, not {worker_saturation!r}")
@@ -980,9 +1006,8 @@ class SchedulerState:
         if ts.who_wants is not None or ts.dependents is not None or ts.n_waiters:
             return  # needed again since this was recommended
         for dep in ts.dependencies:
-            dep.dependents.discard(ts)
-            if not dep.dependents:
-                dep.dependents = None
+            dep.dependents = _without_dependent(dep.dependents, ts)
+            if dep.dependents is None:
                 if dep.who_wants is None and (dep.state == RELEASED or dep.state == ERRED
                                               or dep.state == MEMORY):
                     self._recs[dep] = FORGOTTEN
@@ -991,6 +1016,8 @@ class SchedulerState:
         ts.error = None
         ts.state = FORGOTTEN
         del self.tasks[ts.key]
+        if not self.tasks:
+            self.tasks = {}  # a dict never shrinks: hand a big graph's table back
 
     # ------------------------------------------------------------------ direct transitions
 
@@ -1043,15 +1070,25 @@ class SchedulerState:
 
     @cython.cfunc
     def _prefix_for(self, key) -> TaskPrefix:
-        prefix: TaskPrefix
         if type(key) is tuple and key:
-            # Chunks of one dask layer share key[0]: compute its prefix once.
-            prefix = self._prefix_of_name.get(key[0])
-            if prefix is None:
-                prefix = self._prefix_named(key_prefix(key))
-                self._prefix_of_name[key[0]] = prefix
-            return prefix
+            return self._layer_of(key)[1]
         return self._prefix_named(key_prefix(key))
+
+    @cython.cfunc
+    def _layer_of(self, key: tuple) -> tuple:
+        """``(key[0], prefix)`` for a tuple key, from the cache of recent layer names.
+
+        Chunks of one dask layer share key[0]: its prefix is computed once, and the
+        cached ``key[0]`` lets new keys share one copy of the name (each key decoded
+        from a message has a copy of its own).
+        """
+        layer = self._prefix_of_name.get(key[0])
+        if layer is None:
+            if len(self._prefix_of_name) >= _LAYER_CACHE_SIZE:
+                self._prefix_of_name.clear()  # a long-lived scheduler sees endless names
+            layer = (key[0], self._prefix_named(key_prefix(key)))
+            self._prefix_of_name[key[0]] = layer
+        return layer
 
     @cython.cfunc
     def _prefix_named(self, name: str) -> TaskPrefix:
@@ -1430,6 +1467,8 @@ class SchedulerState:
     def _create_tasks(self, entries: list) -> list:
         ts: TaskState
         dep: TaskState
+        prefix: TaskPrefix
+        layer: tuple
         generation: cython.Py_ssize_t = self.generation
         self.generation += 1
         tasks = self.tasks
@@ -1438,8 +1477,14 @@ class SchedulerState:
         for i, entry in enumerate(entries):
             key = entry["key"]
             spec = entry["spec"]
-            ts = TaskState(key, self._prefix_for(key),
-                           spec if type(spec) is bytes else bytes(spec))
+            if type(key) is tuple and key:
+                layer = self._layer_of(key)
+                if layer[0] is not key[0]:
+                    key = (layer[0],) + key[1:]  # the shared copy of the name
+                prefix = layer[1]
+            else:
+                prefix = self._prefix_named(key_prefix(key))
+            ts = TaskState(key, prefix, spec if type(spec) is bytes else bytes(spec))
             ts.generation = generation
             ts.priority_user = -(entry.get("priority") or 0)
             order = entry.get("order")
@@ -1451,10 +1496,7 @@ class SchedulerState:
                     deps = dict.fromkeys(deps)
                 ts.dependencies = tuple([tasks[d] for d in deps])
                 for dep in ts.dependencies:
-                    if dep.dependents is None:
-                        dep.dependents = {ts}
-                    else:
-                        dep.dependents.add(ts)
+                    dep.dependents = _with_dependent(dep.dependents, ts)
             workers = entry.get("workers")
             resources = entry.get("resources")
             annotations = entry.get("annotations")
@@ -1545,6 +1587,8 @@ class SchedulerState:
                    f"{ts} missing from the dependents of {dep}")
         if ts.dependents is not None:
             _check(len(ts.dependents) > 0, f"{ts} has an empty dependents set")
+            _check(len(set(ts.dependents)) == len(ts.dependents),
+                   f"{ts} lists a dependent twice")
             n_active = 0
             for dts in ts.dependents:
                 _check(ts in dts.dependencies, f"{dts} is a dependent of {ts} but not inverse")

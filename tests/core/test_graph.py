@@ -191,6 +191,30 @@ def test_tuple_and_int_keys_are_accepted():
     assert states(sim.state) == {("x", 0): "released", 7: "memory"}
 
 
+def test_tuple_keys_of_one_layer_share_one_copy_of_its_name():
+    """Each key decoded from a message has its own copy of the layer name; the state
+    keeps one, and the keys stay equal to (and found by) the copies."""
+    sim = Sim()
+    sim.add_worker("A", 1)
+    copies = ["".join(["layer-", "9f8e7d6c"]) for _ in range(3)]
+    assert copies[0] is not copies[1]
+    sim.submit([task((copies[0], 0)), task((copies[1], 1))], [(copies[0], 0), (copies[1], 1)])
+    sim.submit([task((copies[2], 2), (copies[1], 1))], [(copies[2], 2)])
+    names = {id(key[0]) for key in sim.state.tasks}
+    assert len(names) == 1
+    assert sorted(sim.run_all(), key=repr) == [("layer-9f8e7d6c", i) for i in range(3)]
+    assert sim.state.prefixes["layer"].name == "layer"
+
+
+def test_many_layer_names_keep_their_prefixes():
+    """Past the scheduler's cache of layer names, keys and prefixes stay right."""
+    sim = Sim()
+    keys = [(f"op{i % 7}-{i:08x}", 0) for i in range(10_050)]
+    sim.submit([task(k) for k in keys], keys)
+    assert sorted(sim.state.prefixes) == [f"op{i}" for i in range(7)]
+    assert all(sim.state.tasks[k].prefix.name == k[0].split("-")[0] for k in keys)
+
+
 # -- refused graphs ------------------------------------------------------------------------
 
 
