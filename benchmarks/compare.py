@@ -275,8 +275,11 @@ class Budget:
         self.end = time.monotonic() + seconds
         self.seconds = seconds
 
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
     def timeout(self, wanted: float) -> float | None:
-        left = self.end - time.monotonic()
+        left = self.left()
         return None if left < 15 else min(wanted, left)
 
 
@@ -327,8 +330,10 @@ def plan(args, s: dict) -> list:
 def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
     raw: dict = {}
     cells = plan(args, s)
+    took: dict = {}  # (cell, variant) -> seconds its first run took
     # rounds: every workload once before any is repeated, so a tight budget costs
-    # repeats, not workloads
+    # repeats, not workloads; a repeat starts only if its first run's time still fits,
+    # so a slow dask run left out does not take the cheaper repeats after it with it
     for r in range(max(c[4] for c in cells)):
         for cell_id, kind, extra, variants, repeats in cells:
             if r >= repeats:
@@ -343,6 +348,9 @@ def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
                 else:
                     wanted = s["timeout"]
                 timeout = budget.timeout(wanted)
+                if timeout is not None and r > 0 and \
+                        1.1 * took.get((cell_id, v), 0) + 5 > budget.left():
+                    timeout = None
                 t0 = time.perf_counter()
                 if timeout is None:
                     result = {"error": "skipped: the suite's time budget "
@@ -358,6 +366,7 @@ def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
                         spec["limit"] = round(min(extra["limit"], timeout - 60))
                     result = e2e.run_child(spec, envs[v], timeout, script=__file__)
                 result["repeat"] = r
+                took.setdefault((cell_id, v), time.perf_counter() - t0)
                 raw.setdefault(cell_id, {}).setdefault(v, []).append(result)
                 print(f"  [{r + 1}/{repeats}] {cell_id:<18} {v:<13} "
                       f"{_brief(kind, result)}  ({time.perf_counter() - t0:.0f} s)",
@@ -387,12 +396,11 @@ def _f(x, spec: str, missing: str = "-") -> str:
 # ---------------------------------------------------------------------- the rows
 
 
-def _median(runs: list, field: str, partial: bool = False):
-    """The median over the runs without error (``partial``: over all runs that have
-    the figure, e.g. the tasks and peak RSS of a seed run past its time limit)."""
-    vals = [r[field] for r in runs if r.get(field) is not None
+def _values(runs: list, field: str, partial: bool = False) -> list:
+    """The figures of the runs without error (``partial``: of all runs that have the
+    figure, e.g. the tasks and peak RSS of a seed run past its time limit)."""
+    return [r[field] for r in runs if r.get(field) is not None
             and (partial or "error" not in r)]
-    return statistics.median(vals) if vals else None
 
 
 def _error(runs: list):
@@ -410,11 +418,13 @@ def build_rows(raw: dict, s: dict) -> list:
         runs = raw.get(cell, {})
         entry = {"workload": number, "name": name, "cell": cell, "metric": label or unit,
                  "unit": unit, "field": field, "higher_better": higher_better, "fmt": fmt,
-                 "values": {}, "errors": {}}
+                 "values": {}, "errors": {}, "runs": {}}
         for v in list(variants) + ([DCORE_PURE] if pure else []) + [DASK_NOQ]:
             if v not in runs:
                 continue
-            entry["values"][v] = _median(runs[v], field, partial)
+            values = _values(runs[v], field, partial)
+            entry["values"][v] = statistics.median(values) if values else None
+            entry["runs"][v] = len(values)
             err = _error(runs[v])
             if err:
                 entry["errors"][v] = err
@@ -490,7 +500,7 @@ def _cell(entry: dict, v: str) -> str:
 
 def render_table(rows: list) -> list:
     cols = ["#", "workload", "metric", "distributed-core", "dask.distributed",
-            "dcore advantage", "interpreted core", "compiling buys"]
+            "dcore advantage", "interpreted core", "compiling buys", "runs"]
     table = []
     for e in rows:
         dask = _cell(e, DASK)
@@ -506,8 +516,9 @@ def render_table(rows: list) -> list:
             adv = ""
         pure = _cell(e, DCORE_PURE) if DCORE_PURE in e["values"] else ""
         gain = f"{e['compile_gain']:.2f}x" if e.get("compile_gain") else ""
+        runs = "/".join(str(e["runs"].get(v, 0)) for v in (DCORE, DASK))
         table.append([e["workload"], e["name"], e["metric"], _cell(e, DCORE), dask, adv,
-                      pure, gain])
+                      pure, gain, runs])
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     left = {0, 1, 2}
 
@@ -662,7 +673,8 @@ def main(argv=None) -> int:
           f"({core_info['file']}); interpreted: DISTRIBUTED_CORE_PURE=1")
     print(f"  dask      dask {vers['dask']}, distributed {vers['distributed']}, default "
           f"settings (scheduler + N x `dask worker --nthreads 1`)")
-    print(f"  runs      median of {s['repeat']} on workloads 1-4, 1 on 5-6; time budget "
+    print(f"  runs      median of up to {s['repeat']} on workloads 1-4 (a repeat starts only "
+          f"if it fits the time budget; column 'runs': dcore/dask), 1 on 5-6; time budget "
           f"{s['budget']:g} s; seed limit {s['seed_limit']:g} s per system", flush=True)
     raw = run_suite(args, s, envs, budget, sys.stderr)
     rows = build_rows(raw, s)

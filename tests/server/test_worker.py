@@ -27,6 +27,7 @@ from distributed_server.serialize import (
     dumps_spec,
     loads_data,
     loads_error,
+    sizeof,
 )
 from distributed_server.worker import Worker
 
@@ -237,6 +238,18 @@ def test_a_large_result_is_not_inlined():
             assert "data" not in report and report["type"] == "bytes"
             assert report["nbytes"] >= 10_000 and w.data["big"] == bytes(10_000)
     run(main())
+
+
+def test_result_sizes_use_nbytes_or_dask_sizeof():
+    np = pytest.importorskip("numpy")
+    pd = pytest.importorskip("pandas")
+    dask_sizeof = pytest.importorskip("dask.sizeof").sizeof
+    assert sizeof(np.zeros(1000)) == 8000
+    assert sizeof(7) == sys.getsizeof(7)
+    frame = pd.DataFrame({"name": [f"n{i}" for i in range(5000)], "x": range(5000)})
+    # dask samples object columns; sys.getsizeof would walk every string
+    assert sizeof(frame) == dask_sizeof(frame) > 5000 * 8
+    assert sizeof({"a": frame, "b": frame}) == dask_sizeof({"a": frame, "b": frame})
 
 
 def test_a_task_that_raises_is_reported_with_its_exception():
