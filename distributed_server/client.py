@@ -128,7 +128,7 @@ FETCH_ROUNDS = 12
 CLOSE_TIMEOUT = 5.0
 #: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
 #: this bounds what a large map costs it in transient memory.
-MAP_BATCH_TASKS = 10_000
+MAP_BATCH_TASKS = 2_000
 
 
 # Client statuses
