@@ -6,7 +6,7 @@ thread for both, default settings; dask also with queuing off on map 1x1), the s
 alternating, medians of the repeats, one table with the ratio per row, a JSON file and
 one PNG chart::
 
-    pip install ".[bench]" matplotlib
+    pip install ".[bench]"
     python benchmarks/compare.py --quick      # < 3 minutes
     python benchmarks/compare.py              # the whole suite, < 20 minutes on 2 cores
 
@@ -34,8 +34,10 @@ Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
   8  the interpreted core (``DISTRIBUTED_CORE_PURE=1``) on 1 (map 1x1), 3 and 5
 
 Every run is a subprocess in its own session, killed with everything it started at its
-timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1140 [170])
-are used up and reports what it skipped.
+timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1140 [175])
+are used up and reports what it skipped. Workloads 1-4 run ``--repeat`` times (2 [1]) in
+rounds, every workload once before any repeat; a repeat starts only if its first run's
+time still fits the budget.
 """
 from __future__ import annotations
 
