@@ -290,6 +290,13 @@ def _tuple_without(items: Optional[tuple], item) -> Optional[tuple]:
 
 
 @cython.cfunc
+def _is_layer_key(key) -> cython.bint:
+    """A dask chunk key: ``(layer name, index, ...)``. Only str names are cached: 1, 1.0
+    and True are equal keys, and a cached one must not change a key's type."""
+    return type(key) is tuple and len(key) > 0 and type(key[0]) is str
+
+
+@cython.cfunc
 def _with_dependent(dependents, ts: TaskState) -> object:
     # A set costs 216 bytes even for one member, a tuple 40 + 8 a member.
     if dependents is None:
@@ -1070,13 +1077,13 @@ class SchedulerState:
 
     @cython.cfunc
     def _prefix_for(self, key) -> TaskPrefix:
-        if type(key) is tuple and key:
+        if _is_layer_key(key):
             return self._layer_of(key)[1]
         return self._prefix_named(key_prefix(key))
 
     @cython.cfunc
     def _layer_of(self, key: tuple) -> tuple:
-        """``(key[0], prefix)`` for a tuple key, from the cache of recent layer names.
+        """``(key[0], prefix)`` for a dask chunk key, from the cache of recent layer names.
 
         Chunks of one dask layer share key[0]: its prefix is computed once, and the
         cached ``key[0]`` lets new keys share one copy of the name (each key decoded
@@ -1477,7 +1484,7 @@ class SchedulerState:
         for i, entry in enumerate(entries):
             key = entry["key"]
             spec = entry["spec"]
-            if type(key) is tuple and key:
+            if _is_layer_key(key):
                 layer = self._layer_of(key)
                 if layer[0] is not key[0]:
                     key = (layer[0],) + key[1:]  # the shared copy of the name

@@ -734,7 +734,8 @@ class Client:
             allow_other_workers: bool = False, batch_size: int | None = None,
             **kwargs) -> list[Future]:
         """``submit`` over zipped ``iterables``: one update-graph per ``batch_size``
-        tasks (default `MAP_BATCH_TASKS`). ``key`` is a key prefix or a list of keys."""
+        tasks (default `MAP_BATCH_TASKS`), each taken or refused by the scheduler on its
+        own. ``key`` is a key prefix or a list of keys."""
         keys = key if isinstance(key, list) else None
         prefix = key if isinstance(key, str) else None
         options = _task_options(retries, priority, workers, resources, allow_other_workers)

@@ -340,7 +340,8 @@ class Comm:
     # ------------------------------------------------------------ writing
 
     async def write(self, msgs: list[dict]) -> None:
-        """Write ``msgs`` as one frame now and wait until it is handed to the kernel.
+        """Write ``msgs`` now (one frame; several if large, see `FRAME_SPLIT_BYTES`) and
+        wait until it is handed to the kernel.
 
         Messages queued by `send` go out first. Raises TypeError (comm unharmed) if a
         message cannot be encoded, CommClosedError if the comm is closed.

@@ -206,6 +206,17 @@ def test_tuple_keys_of_one_layer_share_one_copy_of_its_name():
     assert sim.state.prefixes["layer"].name == "layer"
 
 
+def test_equal_tuple_keys_of_other_types_keep_their_own_first_element():
+    """1, 1.0 and True are equal; sharing a layer name must not change a key's type."""
+    sim = Sim()
+    sim.add_worker("A", 1)
+    keys = [(1, 0), (True, 1), (1.0, 2)]
+    sim.submit([task(k) for k in keys], keys)
+    assert [type(k[0]) for k in sim.state.tasks] == [int, bool, float]
+    computed = sim.run_all()  # the keys the worker was sent, as it was sent them
+    assert sorted((k[1], type(k[0])) for k in computed) == [(0, int), (1, bool), (2, float)]
+
+
 def test_many_layer_names_keep_their_prefixes():
     """Past the scheduler's cache of layer names, keys and prefixes stay right."""
     sim = Sim()
