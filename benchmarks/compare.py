@@ -697,13 +697,9 @@ def main(argv=None) -> int:
     doc = {"header": header, "rows": rows, "raw": raw, "table": lines, "targets": targets,
            "elapsed_s": elapsed}
     if not args.no_save:
-        os.makedirs(RESULTS_DIR, exist_ok=True)
-        stamp = started.strftime("%Y-%m-%d-%H%M%S") + ("-quick" if args.quick else "")
-        path = os.path.join(RESULTS_DIR, f"compare-{stamp}.json")
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
+        saved = e2e.save_results("compare", doc, started, args.quick)
         png = draw_chart(rows, header, os.path.join(RESULTS_DIR, "compare.png"))
-        print(f"\nresults: {os.path.relpath(path, REPO)}; chart: "
+        print(f"\nresults: {saved}; chart: "
               f"{os.path.relpath(png, REPO) if png else 'not drawn'}")
     print(f"total {elapsed:.0f} s")
     return 0

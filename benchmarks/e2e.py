@@ -409,6 +409,17 @@ def core_env_and_info(args) -> tuple[dict, dict, list]:
     return env_auto, info, extras
 
 
+def save_results(name: str, doc: dict, started: datetime.datetime, quick: bool) -> str:
+    """Write ``doc`` as ``benchmarks/results/<name>-<start time>[-quick].json``; return
+    its path relative to the checkout."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    stamp = started.strftime("%Y-%m-%d-%H%M%S") + ("-quick" if quick else "")
+    path = os.path.join(RESULTS_DIR, f"{name}-{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return os.path.relpath(path, REPO)
+
+
 def versions() -> dict:
     out = {}
     for name in ("dask", "distributed", "tornado", "msgpack", "cloudpickle", "psutil"):
@@ -604,12 +615,7 @@ def main(argv=None) -> int:
                     for (c, name), results in raw.items() for res in results],
            "elapsed_s": (datetime.datetime.now() - started).total_seconds()}
     if not args.no_save:
-        os.makedirs(RESULTS_DIR, exist_ok=True)
-        stamp = started.strftime("%Y-%m-%d-%H%M%S") + ("-quick" if args.quick else "")
-        path = os.path.join(RESULTS_DIR, f"e2e-{stamp}.json")
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-        doc["saved_to"] = os.path.relpath(path, REPO)
+        doc["saved_to"] = save_results("e2e", doc, started, args.quick)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:

@@ -1,12 +1,31 @@
-"""Fixtures shared by the server tests."""
+"""Fixtures and helpers shared by the server tests."""
 import datetime
 import ipaddress
 import shutil
 import subprocess
+import sys
+import time
 
 import pytest
 
 from distributed_server import Client, LocalCluster
+
+# Test modules import the helpers below with `from server_helpers import ...`. This file's
+# own module name depends on pytest's import mode (prepend / importlib), so give it one name.
+sys.modules.setdefault("server_helpers", sys.modules[__name__])
+
+
+def workers_of(client) -> list[str]:
+    """The addresses of the scheduler's workers, sorted."""
+    return sorted(client.scheduler_info()["workers"])
+
+
+def wait_until_no_tasks(client, timeout: float = 20) -> None:
+    """Wait until the scheduler holds no task; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while client.scheduler_info()["n_tasks"]:
+        assert time.monotonic() < deadline, client.scheduler_info()["task_counts"]
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import time
 
 import cloudpickle
 import pytest
+from server_helpers import wait_until_no_tasks, workers_of
 
 from distributed_server.client import (
     CancelledError,
@@ -67,17 +68,6 @@ def flaky(path: str, failures: int):
     if calls < failures:
         raise RuntimeError(f"failure {calls + 1}")
     return calls
-
-
-def workers_of(client) -> list[str]:
-    return sorted(client.scheduler_info()["workers"])
-
-
-def wait_until_no_tasks(client, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while client.scheduler_info()["n_tasks"]:
-        assert time.monotonic() < deadline, client.scheduler_info()["task_counts"]
-        time.sleep(0.02)
 
 
 # ---------------------------------------------------------------- basics

@@ -28,6 +28,7 @@ np = pytest.importorskip("numpy")
 pd = pytest.importorskip("pandas")
 
 from dask.delayed import Delayed
+from server_helpers import wait_until_no_tasks, workers_of
 
 from distributed_server import dask_support
 from distributed_server.client import Client, wait
@@ -73,17 +74,6 @@ def flaky(x, path, failures):
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-def workers_of(client) -> list[str]:
-    return sorted(client.scheduler_info()["workers"])
-
-
-def wait_until_no_tasks(client, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while client.scheduler_info()["n_tasks"]:
-        assert time.monotonic() < deadline, client.scheduler_info()["task_counts"]
-        time.sleep(0.05)
 
 
 def same_as_sync(client, *collections):
