@@ -8,6 +8,7 @@ the next, and prints the medians of the repeats as one table with ratios::
     python benchmarks/e2e.py --quick                     # ~5,000 tasks, 1 repeat
     python benchmarks/e2e.py --both-cores --repeat 5     # + the interpreted core
     python benchmarks/e2e.py --only dcore --json
+    python benchmarks/e2e.py --only dcore --security tls   # TLS + token (default: token)
 
 Workloads (``--quick``: about 5,000 tasks each, one repeat):
 
@@ -25,7 +26,9 @@ How each system runs:
 
 - distributed-core: ``distributed_server.cluster.LocalCluster(processes=True)``, i.e. a
   ``python -m distributed_server.cli scheduler`` process and N ``... worker`` processes;
-  ``distributed_server.client.Client`` in the benchmark process.
+  ``distributed_server.client.Client`` in the benchmark process. ``--security``: the
+  cluster's credentials, ``none`` (``Security()``), ``token`` (a fresh token, what
+  LocalCluster does by default) or ``tls`` (``Security.temporary()``: TLS + a token).
 - dask.distributed, default configuration: a ``python -m distributed.cli.dask_scheduler``
   process and N ``python -m distributed.cli.dask_worker ADDRESS --nthreads 1`` processes
   (each a nanny and its worker process, dask's default); ``distributed.Client(address)``
@@ -169,24 +172,39 @@ def _die_with_parent() -> None:
         pass
 
 
-class DcoreSystem:
-    """distributed-core: its own LocalCluster of processes, and its Client."""
+SECURITY_MODES = ("none", "token", "tls")
 
-    def __init__(self, n_workers: int, threads: int):
+
+def make_security(mode: str):
+    """The `Security` of a ``--security`` mode: none, token, or tls (TLS + a token)."""
+    from distributed_server.security import Security, new_token
+
+    return {"none": Security, "token": lambda: Security(token=new_token()),
+            "tls": Security.temporary}[mode]()
+
+
+class DcoreSystem:
+    """distributed-core: its own LocalCluster of processes, and its Client.
+
+    ``security``: one of `SECURITY_MODES` (the Client takes the cluster's credentials)."""
+
+    def __init__(self, n_workers: int, threads: int, security: str = "token"):
         import psutil
 
         from distributed_server.client import Client
         from distributed_server.cluster import LocalCluster
 
         self.cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads,
-                                    processes=True, timeout=60)
+                                    processes=True, timeout=60,
+                                    security=make_security(security))
         self.client = Client(self.cluster, set_as_default=False, timeout=60)
         procs = self.cluster._procs  # the scheduler first, then the workers
         self.scheduler = psutil.Process(procs[0].pid)
         self.workers = [psutil.Process(p.pid) for p in procs[1:]]
         info = self.cluster.scheduler_info()
         self.info = {"compiled": bool(info.get("compiled")),
-                     "n_workers": len(info["workers"])}
+                     "n_workers": len(info["workers"]), "security": security,
+                     "scheme": self.cluster.scheduler_address.split("://")[0]}
 
     def scheduler_n_tasks(self) -> int:
         return self.cluster.scheduler_info()["n_tasks"]
@@ -302,7 +320,7 @@ def child_main(spec: dict) -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="e2e-") as logdir:
         if spec["system"] == DCORE:
-            system = DcoreSystem(n_workers, spec["threads"])
+            system = DcoreSystem(n_workers, spec["threads"], spec.get("security", "token"))
         else:
             system = DaskSystem(n_workers, spec["threads"], spec.get("no_queue", False),
                                 logdir)
@@ -536,6 +554,9 @@ def main(argv=None) -> int:
                              "interpreted one")
     parser.add_argument("--both-cores", action="store_true",
                         help="also run distributed-core with DISTRIBUTED_CORE_PURE=1")
+    parser.add_argument("--security", choices=SECURITY_MODES, default="token",
+                        help="distributed-core's credentials: none, a token (default, as "
+                             "LocalCluster), or tls (TLS + a token)")
     parser.add_argument("--no-save", action="store_true",
                         help="do not write benchmarks/results/e2e-*.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -571,7 +592,7 @@ def main(argv=None) -> int:
         "python": platform.python_version(), "platform": platform.platform(),
         "distributed_core": core_info, "versions": versions(), "repeat": repeat,
         "tasks": n, "leaves": leaves, "iterations": args.iterations, "timeout_s": timeout,
-        "quick": args.quick, "variant": args.variant,
+        "quick": args.quick, "variant": args.variant, "security": args.security,
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
     if not args.json:
@@ -588,7 +609,7 @@ def main(argv=None) -> int:
                 spec = {"system": v.system, "workload": cell[0], "workers": cell[1],
                         "threads": 1, "n": n, "leaves": leaves,
                         "iterations": args.iterations,
-                        "no_queue": v.no_queue}
+                        "no_queue": v.no_queue, "security": args.security}
                 t0 = time.perf_counter()
                 result = run_child(spec, v.env, timeout)
                 result["repeat"] = r
@@ -728,7 +749,7 @@ def print_header(h: dict) -> None:
           f"load average {'/'.join(f'{x:.1f}' for x in h['loadavg_at_start'])} at start")
     if core:
         print(f"  dcore     distributed-core {core['version']}  COMPILED={core['compiled']}  "
-              f"({core['file']})")
+              f"({core['file']}), security {h['security']}")
     print(f"  versions  dask {v['dask']}, distributed {v['distributed']}, tornado "
           f"{v['tornado']}, msgpack {v['msgpack']}, cloudpickle {v['cloudpickle']}, "
           f"psutil {v['psutil']}")
