@@ -1,9 +1,16 @@
 """The ``dcore`` command: run a scheduler, a worker, or the demo; print the version.
 
-    dcore scheduler [--host HOST] [--port PORT]
+    dcore scheduler [--host HOST] [--port PORT] [credentials]
     dcore worker tcp://SCHEDULER:PORT [--nthreads N] [--name NAME] [--resources GPU=1,MEM=4e9]
+                 [credentials]
     dcore demo [--workers N] [--threads N] [--tasks N]
+    dcore token                  print a fresh random cluster token
+    dcore tls-files DIR [HOST..] write a new CA and a certificate for every role into DIR
     dcore --version
+
+Credentials: --token-file FILE (or DCORE_TOKEN / DCORE_TOKEN_FILE in the environment),
+--tls-ca-file, --tls-cert, --tls-key (or DCORE_TLS_CA_FILE / _CERT / _KEY). A scheduler
+or worker with none of them listens only on loopback unless given --insecure.
 """
 from __future__ import annotations
 
@@ -18,6 +25,13 @@ import sys
 import distributed_core
 
 from .comm import parse_address
+from .security import (
+    Security,
+    SecurityError,
+    check_listen_security,
+    new_token,
+    write_tls_files,
+)
 
 
 def main(argv: list | None = None) -> int:
@@ -31,10 +45,27 @@ def main(argv: list | None = None) -> int:
         return 2
     logging.basicConfig(level=getattr(args, "log_level", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command in ("scheduler", "worker"):
+        try:
+            if args.command == "worker" and args.host is None:
+                args.host = _listen_host_for(args.address)
+            args.security = _security_from(args)
+            check_listen_security(args.host, args.security, args.insecure, args.command)
+        except (SecurityError, ValueError) as e:
+            print(f"dcore {args.command}: {e}", file=sys.stderr)
+            return 2
+        _raise_fd_limit()
     if args.command == "scheduler":
         return asyncio.run(_run_scheduler(args))
     if args.command == "worker":
         return asyncio.run(_run_worker(args))
+    if args.command == "token":
+        print(new_token())
+        return 0
+    if args.command == "tls-files":
+        paths = write_tls_files(args.directory, tuple(args.hosts))
+        print("\n".join(f"{name}: {path}" for name, path in paths.items()))
+        return 0
     from .demo import run_demo
 
     return run_demo(n_workers=args.workers, threads_per_worker=args.threads,
@@ -64,7 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="tasks per thread before root tasks queue (inf: no queue)")
     scheduler.add_argument("--validate", action="store_true",
                            help="check every invariant after each stimulus (slow)")
+    scheduler.add_argument("--client-idle-timeout", type=float, default=300.0,
+                           help="seconds of silence after which a client is disconnected")
     scheduler.add_argument("--log-level", default="INFO")
+    _add_security_flags(scheduler)
 
     worker = commands.add_parser("worker", help="run a worker")
     worker.add_argument("address", help="the scheduler, e.g. tcp://10.0.0.5:8786")
@@ -77,6 +111,14 @@ def _parser() -> argparse.ArgumentParser:
                              "reaches the scheduler)")
     worker.add_argument("--port", type=int, default=0)
     worker.add_argument("--log-level", default="INFO")
+    _add_security_flags(worker)
+
+    commands.add_parser("token", help="print a fresh random cluster token")
+    tls = commands.add_parser("tls-files", help="write a new CA, certificate and key "
+                              "(for every role of one cluster) into a directory")
+    tls.add_argument("directory")
+    tls.add_argument("hosts", nargs="*", help="host names or addresses the certificate "
+                     "also names (peers check only the CA's signature)")
 
     demo = commands.add_parser("demo", help="run a graph on a local cluster and report")
     demo.add_argument("--workers", type=int, default=2)
@@ -84,6 +126,41 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--tasks", type=int, default=5000,
                       help="leaves of the graph (about twice as many tasks in all)")
     return parser
+
+
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("credentials (default: DCORE_* environment variables)")
+    group.add_argument("--token-file", help="file holding the cluster's token")
+    group.add_argument("--tls-ca-file", help="PEM file of the cluster's CA")
+    group.add_argument("--tls-cert", help="PEM file of this process's certificate")
+    group.add_argument("--tls-key", help="PEM file of this process's private key")
+    group.add_argument("--insecure", action="store_true",
+                       help="allow listening beyond loopback without any credentials")
+
+
+def _security_from(args) -> Security:
+    """Credentials from the flags, else from the environment."""
+    env = Security.from_environment()
+    tls = (args.tls_ca_file, args.tls_cert, args.tls_key)
+    return Security(
+        token=None if args.token_file else env.token, token_file=args.token_file,
+        **(dict(zip(("tls_ca_file", "tls_cert", "tls_key"), tls)) if any(tls) else
+           {"tls_ca_file": env.tls_ca_file, "tls_cert": env.tls_cert,
+            "tls_key": env.tls_key}))
+
+
+def _raise_fd_limit() -> None:
+    """Let a server hold as many connections as the hard limit allows (most systems
+    start processes with a soft limit of 1,024 open files)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else 1 << 16
+        if soft != resource.RLIM_INFINITY and soft < min(target, 1 << 16):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(target, 1 << 16), hard))
+    except (ImportError, OSError, ValueError):
+        pass
 
 
 def _resources(text: str) -> dict:
@@ -133,7 +210,9 @@ async def _run_scheduler(args) -> int:
     from .scheduler import Scheduler
 
     scheduler = Scheduler(args.host, args.port, worker_ttl=args.worker_ttl,
-                          validate=args.validate, worker_saturation=args.worker_saturation)
+                          validate=args.validate, worker_saturation=args.worker_saturation,
+                          security=args.security, insecure=args.insecure,
+                          client_idle_timeout=args.client_idle_timeout)
     await scheduler.start()
     _tune_gc_for_a_server()
     kind = "compiled" if distributed_core.COMPILED else "interpreted"
@@ -146,9 +225,9 @@ async def _run_scheduler(args) -> int:
 async def _run_worker(args) -> int:
     from .worker import Worker
 
-    host = args.host or _listen_host_for(args.address)
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,
-                    resources=args.resources or None, host=host, port=args.port)
+                    resources=args.resources or None, host=args.host, port=args.port,
+                    security=args.security, insecure=args.insecure)
     await worker.start()
     print(f"Worker at {worker.address} connected to {args.address}", flush=True)
     await _serve_until_signal(worker)

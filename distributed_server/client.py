@@ -8,7 +8,7 @@ What this module does
   away, ``cancel``, ``retry``, ``desire-keys``, and ``who-has``/``identity`` requests
   matched to their ``reply`` by ``reqid``. Results arrive inline in ``key-in-memory``
   when small; otherwise they are fetched straight from the workers (``get-data`` over a
-  pooled ``{"role": "peer"}`` connection, one request per worker for a whole batch).
+  pooled ``{"role": "client"}`` connection, one request per worker for a whole batch).
 - Sync and async use share one implementation: every operation is a coroutine on the
   client's event loop. A sync client runs that loop (tornado's IOStreams on asyncio) in a
   daemon thread and blocks on it; an async client (``asynchronous=True``) runs on the
@@ -91,6 +91,7 @@ from .futures import (
     default_client,
     wait,
 )
+from .security import Security
 from .serialize import dumps_data, loads_data, loads_error, sizeof
 from .taskspec import (
     _SEQUENCES,
@@ -126,6 +127,8 @@ PEER_POOL_SIZE = 4
 FETCH_ROUNDS = 12
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
+#: Seconds between the client's heartbeats to the scheduler.
+HEARTBEAT_INTERVAL = 5.0
 #: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
 #: this bounds what a large map costs it in transient memory.
 MAP_BATCH_TASKS = 2_000
@@ -284,13 +287,19 @@ class Client:
     ``asynchronous=True``, ``await Client(...)`` (or ``async with``) starts it and the
     methods that talk to the cluster return awaitables; `submit` and `map` always
     return futures directly. Closed by `close`, the context manager, or at exit.
+    ``security`` holds the cluster's token and/or TLS files (`Security`); by default
+    those of the LocalCluster given or started, else those named by the ``DCORE_TOKEN``
+    / ``DCORE_TOKEN_FILE`` / ``DCORE_TLS_*`` environment variables.
     """
 
     def __init__(self, address=None, *, asynchronous: bool = False, timeout: float = 10,
                  name: str | None = None, set_as_default: bool = True,
-                 **cluster_kwargs) -> None:
+                 security: Security | None = None, **cluster_kwargs) -> None:
         self.asynchronous = asynchronous
         self.timeout = timeout
+        if security is None and address is not None:
+            security = getattr(address, "security", None) or Security.from_environment()
+        self.security = security
         self.id = f"{name or 'Client'}-{uuid.uuid4().hex}"
         self.status = _CREATED
         self._cluster = None  # the LocalCluster this client started and closes
@@ -373,13 +382,19 @@ class Client:
     def _make_cluster(self):
         from .cluster import LocalCluster
 
-        return LocalCluster(**self._cluster_kwargs)
+        kwargs = dict(self._cluster_kwargs)
+        if self.security is not None:
+            kwargs["security"] = self.security
+        cluster = LocalCluster(**kwargs)
+        if self.security is None:
+            self.security = cluster.security
+        return cluster
 
     async def _connect(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
         comm = await connect(self.scheduler_address, {"role": "client", "client_id": self.id},
-                             timeout=self.timeout)
+                             timeout=self.timeout, security=self.security)
         if comm.extra.get("role") != "scheduler":
             comm.abort()
             raise ConnectionError(f"{self.scheduler_address} is not a scheduler "
@@ -387,6 +402,16 @@ class Client:
         self._comm = comm
         self._reader = self._loop.create_task(self._read_loop(comm))
         self.status = _RUNNING
+        self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        """Tell the scheduler we are alive (it drops clients silent for too long)."""
+        comm = self._comm
+        if self.status != _RUNNING or comm is None or comm.closed:
+            return
+        with contextlib.suppress(CommClosedError):
+            comm.send({"op": "heartbeat"})
+        self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
 
     def _started(self) -> None:
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._cluster)
@@ -690,7 +715,9 @@ class Client:
             reply.set_result(msg.get("result"))
 
     def _handle_error(self, msg: dict) -> None:
-        logger.error("the scheduler reports an error: %s", msg.get("error"))
+        """The scheduler refused one of our messages; it changed nothing."""
+        logger.warning("the scheduler refused a %r message: %s", msg.get("request"),
+                       msg.get("error"))
 
     def _connection_lost(self, reason: Exception) -> None:
         """Fail what is pending: nothing more will come from the scheduler."""
@@ -1125,7 +1152,9 @@ class Client:
             candidate = pool.pop()
             comm = None if candidate.closed else candidate
         if comm is None:
-            comm = await connect(address, {"role": "peer"}, timeout=self.timeout)
+            comm = await connect(address, {"role": "client", "client_id": self.id},
+                                 timeout=self.timeout,
+                                 security=self.security)
         try:
             await comm.write([msg])
             reply = (await comm.read())[0]

@@ -21,6 +21,7 @@ import uuid
 import weakref
 
 from .comm import CommClosedError, connect
+from .security import ENVIRONMENT_VARIABLES, Security, new_token
 
 logger = logging.getLogger("distributed_server.cluster")
 
@@ -30,14 +31,20 @@ class ClusterError(RuntimeError):
 
 
 class LocalCluster:
-    """A scheduler and ``n_workers`` workers of ``threads_per_worker`` threads each."""
+    """A scheduler and ``n_workers`` workers of ``threads_per_worker`` threads each.
+
+    ``security`` is the cluster's credentials; by default a fresh random token (no
+    TLS), which the processes get through their environment and `Client(cluster)` uses.
+    """
 
     def __init__(self, n_workers: int | None = None, threads_per_worker: int = 1,
                  processes: bool = True, *, host: str = "127.0.0.1", scheduler_port: int = 0,
                  worker_saturation: float = 1.1, validate: bool = False,
-                 timeout: float = 30.0, log_level: str = "WARNING"):
+                 timeout: float = 30.0, log_level: str = "WARNING",
+                 security: Security | None = None):
         if n_workers is None:
             n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
+        self.security = security if security is not None else Security(token=new_token())
         self.n_workers = n_workers
         self.threads_per_worker = threads_per_worker
         self.processes = processes
@@ -85,8 +92,10 @@ class LocalCluster:
                                    "--name", f"worker-{i}", "--log-level", log_level])
 
     def _spawn(self, cmd: list) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
+        env.update(self.security.environment())  # not in argv: ps shows argv to everyone
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         proc.lines = _drain_lines(proc)
         self._procs.append(proc)
@@ -98,12 +107,13 @@ class LocalCluster:
 
         self._loop_thread = _LoopThread()
         scheduler = self._loop_thread.run(Scheduler(
-            host, port, worker_saturation=worker_saturation, validate=validate).start())
+            host, port, worker_saturation=worker_saturation, validate=validate,
+            security=self.security).start())
         self._servers.append(scheduler)
         self.scheduler_address = scheduler.address
         for i in range(self.n_workers):
             worker = Worker(scheduler.address, nthreads=self.threads_per_worker,
-                            name=f"worker-{i}", host=host)
+                            name=f"worker-{i}", host=host, security=self.security)
             self._loop_thread.run(worker.start())
             self._servers.append(worker)
 
@@ -111,7 +121,7 @@ class LocalCluster:
 
     def scheduler_info(self, timeout: float = 10.0) -> dict:
         """The scheduler's identity: its workers, task counts, compiled or not."""
-        return _run_in_new_loop(_identity(self.scheduler_address, timeout))
+        return _run_in_new_loop(_identity(self.scheduler_address, timeout, self.security))
 
     def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
         """Block until the scheduler has ``n`` workers; raise ClusterError on timeout."""
@@ -222,9 +232,9 @@ def _stop_processes(procs: list, timeout: float = 10.0) -> None:
     procs.clear()
 
 
-async def _identity(address: str, timeout: float) -> dict:
+async def _identity(address: str, timeout: float, security: Security) -> dict:
     comm = await connect(address, {"role": "client", "client_id": f"probe-{uuid.uuid4().hex}"},
-                         timeout=timeout)
+                         timeout=timeout, security=security)
     try:
         await comm.write([{"op": "identity", "reqid": 0}])
         while True:

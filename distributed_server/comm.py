@@ -17,14 +17,24 @@ What this module does
 - `Comm`: ``await read()``, ``await write(msgs)`` (one frame now) and ``send(msg)``
   (batched: the first few frames of each ``interval`` flush on the next loop
   iteration, later ones wait for the window to end). At most one flush is ever pending; no asyncio Task is created per message.
-- A handshake on every connection (`connect`, `listen`): both sides first write
-  ``{"op": "handshake", "protocol": PROTOCOL_VERSION, **info}`` and then read the
-  peer's. On a mismatch the side that notices writes ``{"op": "error", "error": ...}``
-  and closes; `connect` raises `HandshakeError`.
+- A handshake on every connection (`connect`, `listen`), in two rounds: ``hello``
+  (protocol version, auth mode, a fresh nonce) and ``handshake`` (the role's info and,
+  when the cluster has a token, an HMAC proof over both nonces; the token never crosses
+  the wire). Under TLS (`Security` with TLS files) both sides also present certificates
+  of the cluster's CA. The listener checks the connector before it says anything about
+  itself; on any mismatch the side that notices writes ``{"op": "error", "error": ...}``
+  and closes, and `connect` raises `HandshakeError`.
+- Admits peers carefully: until the handshake is done a frame may hold at most
+  ``HANDSHAKE_MAX_FRAME_BYTES`` (64 KiB) and the peer has ``handshake_timeout`` seconds;
+  a listener caps open connections (in all and per host) and connections still in
+  their handshake, refuses the rest with a clear error, and pauses accepting (instead
+  of spinning) when the process runs out of file descriptors. Refusals and failed
+  handshakes are logged at most a few times per 10 s.
 - Refuses bad input from the peer: oversized frames (``max_frame_bytes``, 2 GiB by
-  default), too many buffers, invalid msgpack, a body that is not an array of dicts
-  with a str ``"op"``, unknown ext types, frames cut off by a closed connection. Each
-  raises `ProtocolError` from ``read()`` and closes that one connection.
+  default after the handshake), too many buffers, invalid msgpack, a body that is not
+  an array of dicts with a str ``"op"``, unknown ext types, frames cut off by a closed
+  connection. Each raises `ProtocolError` from ``read()`` and closes that one
+  connection. Receive buffers grow as bytes arrive, never to an announced length at once.
 
 What it never does
 ------------------
@@ -58,18 +68,25 @@ GC tuning belongs to the process (e.g. ``gc.freeze()`` after start-up).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import hmac
 import inspect
 import logging
+import secrets
+import socket
 import ssl
 import struct
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
-from tornado.iostream import IOStream, StreamClosedError
+from tornado.iostream import IOStream, SSLIOStream, StreamClosedError
 from tornado.netutil import bind_sockets
 from tornado.tcpclient import TCPClient
-from tornado.tcpserver import TCPServer
+
+from .security import Security
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -78,6 +95,7 @@ __all__ = [
     "CommClosedError",
     "HandshakeError",
     "Listener",
+    "ListenerBusyError",
     "ProtocolError",
     "connect",
     "listen",
@@ -86,8 +104,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+def _drop_tls_handshake_noise(record: logging.LogRecord) -> bool:
+    """tornado logs every failed TLS handshake at WARNING; the listener reports them
+    itself, rate-limited, so a peer that speaks plain TCP cannot flood the log."""
+    return not str(record.msg).startswith("SSL Error on")
+
+
+logging.getLogger("tornado.general").addFilter(_drop_tls_handshake_noise)
+
 #: Version of the wire protocol; both ends of a connection must agree on it.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: msgpack ExtType code of an out-of-band buffer reference.
 BLOB_EXT_CODE = 1
@@ -114,6 +141,8 @@ _INDEX = struct.Struct("<I")  # payload of a Blob ExtType
 _COALESCE_BYTES = 64 * 1024
 # Bodies at least this large are read straight into a fresh bytearray (no extra copy).
 _READ_INTO_BYTES = 64 * 1024
+# A large body or buffer is first read into this many bytes, then the buffer doubles.
+_FIRST_READ_BYTES = 1024 * 1024
 
 
 class CommClosedError(ConnectionError):
@@ -126,6 +155,10 @@ class ProtocolError(CommClosedError):
 
 class HandshakeError(CommClosedError):
     """The handshake failed: protocol mismatch, refusal by the peer, or no handshake."""
+
+
+class ListenerBusyError(CommClosedError):
+    """The listener refused the connection for now: it has too many. `connect` retries."""
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -324,9 +357,10 @@ class Comm:
         self._frames_in_window = 0
         self._last_write: Awaitable | None = None
         self._in_buffers: list = []
+        self._close_callbacks: list[Callable[[], Any]] = []
         stream.max_buffer_size = max(stream.max_buffer_size, max_frame_bytes + (1 << 20))
         stream.set_close_callback(self._on_stream_closed)
-        _set_nodelay(stream)
+        _tune_socket(stream)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -454,6 +488,9 @@ class Comm:
         if n > self.max_buffers:
             raise ProtocolError(f"frame from {self.peer_address} announces {n} buffers "
                                 f"(limit {self.max_buffers})")
+        if _HEAD.size + 8 * n + body_len > self.max_frame_bytes:
+            raise ProtocolError(f"frame from {self.peer_address} announces over "
+                                f"{self.max_frame_bytes} bytes (limit)")
         lengths = struct.unpack(f"<{n}Q", await self._stream.read_bytes(8 * n)) if n else ()
         total = _HEAD.size + 8 * n + body_len + sum(lengths)
         if total > self.max_frame_bytes:
@@ -466,9 +503,18 @@ class Comm:
     async def _read_chunk(self, size: int, as_bytes: bool) -> bytes | memoryview:
         if as_bytes:
             return await self._stream.read_bytes(size)
-        buffer = bytearray(size)
-        if size:
-            await self._stream.read_into(buffer)
+        # The buffer grows as bytes arrive (doubling), never to the announced size at
+        # once: a peer that announces gigabytes and sends nothing costs us nothing.
+        buffer = bytearray(min(size, _FIRST_READ_BYTES))
+        filled = 0
+        while filled < size:
+            if filled == len(buffer):
+                buffer.extend(bytes(min(len(buffer), size - len(buffer))))
+            chunk = memoryview(buffer)[filled:]
+            try:
+                filled += await self._stream.read_into(chunk)
+            finally:
+                chunk.release()  # the bytearray cannot grow while a view of it lives
         return memoryview(buffer)
 
     def _decode(self, body: bytes | bytearray, buffers: list) -> list[dict]:
@@ -513,18 +559,26 @@ class Comm:
 
     def abort(self) -> None:
         """Close now; queued and unsent messages are dropped."""
-        self._closed = self._aborted = True
+        self._aborted = True
         self._queue = []
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
         self._stream.close()
+        self._on_stream_closed()
+
+    def add_close_callback(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` once, when the comm closes (at once if it is closed)."""
+        if self.closed:
+            callback()
+        else:
+            self._close_callbacks.append(callback)
 
     def _on_stream_closed(self) -> None:
         self._closed = True
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in callbacks:
+            callback()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -547,58 +601,178 @@ def _socket_addresses(stream: IOStream, scheme: str) -> tuple[str, str]:
     return _format_address(scheme, local[0], local[1]), _format_address(scheme, peer[0], peer[1])
 
 
-def _set_nodelay(stream: IOStream) -> None:
+def _tune_socket(stream: IOStream) -> None:
+    """No Nagle delay; TCP keepalive, so a peer whose machine vanished is noticed."""
     try:
         stream.set_nodelay(True)
-    except OSError:  # already closed, or not a TCP socket
+        sock = stream.socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in _KEEPALIVE_OPTIONS:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    except (OSError, AttributeError):  # already closed, or not a TCP socket
         pass
 
 
+# Probe an idle connection after 10 s, every 5 s, give up after 3 unanswered probes.
+_KEEPALIVE_OPTIONS = tuple(
+    (getattr(socket, name), value)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+    if hasattr(socket, name)
+)
+
+
+class _QuietLog:
+    """Logs a repeated event at most ``burst`` times per ``period`` seconds, then once
+    more with the number of events it kept quiet: one bad peer cannot flood the log."""
+
+    def __init__(self, level: int, burst: int = 5, period: float = 10.0) -> None:
+        self.level = level
+        self.burst = burst
+        self.period = period
+        self._window_start = float("-inf")
+        self._count = 0
+        self._suppressed = 0
+
+    def __call__(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.period:
+            if self._suppressed:
+                logger.log(self.level, "(%d similar messages suppressed in the last %.0f s)",
+                           self._suppressed, self.period)
+            self._window_start, self._count, self._suppressed = now, 0, 0
+        self._count += 1
+        if self._count <= self.burst:
+            logger.log(self.level, msg, *args)
+        else:
+            self._suppressed += 1
+
+
+def bounded_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters: error messages quote bad input so."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 # ---------------------------------------------------------------------------- handshake
+#
+# Two rounds, connector first (docs/protocol.md, section 3):
+#   connector -> {"op": "hello", "protocol", "auth", "nonce"}
+#   listener  -> {"op": "hello", "protocol", "auth", "nonce"}   (or an error, and close)
+#   connector -> {"op": "handshake", "proof"?, **info}
+#   listener  -> {"op": "handshake", "proof"?, **info}           (or an error, and close)
+# With a token, "auth" is "token" and each proof is an HMAC-SHA256 keyed by the token over
+# both nonces and the sender's side; the token itself never crosses the wire. The listener
+# checks the connector's proof before it sends anything about itself. Until the handshake
+# is done a frame may hold at most HANDSHAKE_MAX_FRAME_BYTES and no out-of-band buffer.
+
+#: Limit on one frame before the handshake is done.
+HANDSHAKE_MAX_FRAME_BYTES = 64 * 1024
+#: Default time a peer has to complete the handshake (TLS included).
+DEFAULT_HANDSHAKE_TIMEOUT = 5.0
+_NONCE_BYTES = 32
+_PROOF_LABEL = b"distributed-core handshake v2\0"
+_CONNECTOR, _LISTENER = b"connector", b"listener"
+_HINT = " (is the address's scheme, tcp:// or tls://, right, and does the cluster need a token?)"
 
 
-def _handshake_msg(info: dict) -> dict:
-    """Our first message: ``{"op": "handshake", "protocol": PROTOCOL_VERSION, **info}``.
-
-    As protocol.md spells it, ``info`` comes last, so an explicit ``"protocol"`` in it
-    wins: tests use that to provoke a mismatch.
-    """
-    return {"op": "handshake", "protocol": PROTOCOL_VERSION, **info}
+def _proof(token: str, side: bytes, listener_nonce: bytes, connector_nonce: bytes) -> bytes:
+    """What ``side`` sends to prove it holds ``token``, bound to this connection's nonces."""
+    message = _PROOF_LABEL + side + b"\0" + listener_nonce + connector_nonce
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
 
 
-def _handshake_problem(ours: dict, msgs: list[dict]) -> str | None:
-    """What is wrong with the peer's first frame ``msgs``, or None if it is a good handshake."""
-    if len(msgs) != 1:
-        return f"expected one handshake message, got a frame of {len(msgs)}"
-    msg = msgs[0]
-    if msg["op"] != "handshake":
-        return f"expected a handshake, got op {msg['op']!r}"
-    if msg.get("protocol") != ours["protocol"]:
-        return (f"protocol mismatch: peer speaks {msg.get('protocol')!r}, "
+def _hello(token: str | None) -> dict:
+    return {"op": "hello", "protocol": PROTOCOL_VERSION,
+            "auth": "token" if token is not None else "none",
+            "nonce": secrets.token_bytes(_NONCE_BYTES)}
+
+
+def _hello_problem(ours: dict, theirs: dict) -> str | None:
+    """Why the peer's hello does not fit ours, or None."""
+    if theirs.get("protocol") != ours["protocol"]:
+        return (f"protocol mismatch: peer speaks {bounded_repr(theirs.get('protocol'), 40)}, "
                 f"we speak {ours['protocol']!r}")
+    nonce = theirs.get("nonce")
+    if type(nonce) is not bytes or len(nonce) != _NONCE_BYTES:
+        return "the hello carries no valid nonce"
+    if theirs.get("auth") != ours["auth"]:
+        if ours["auth"] == "token":
+            return ("this cluster requires its token: give the peer Security(token=...) or "
+                    "set DCORE_TOKEN / DCORE_TOKEN_FILE")
+        return "the peer expects a cluster token, but this process has none"
     return None
 
 
-async def _handshake(comm: Comm, info: dict) -> None:
-    """Exchange handshakes on a fresh comm; on success fill ``comm.extra``.
-
-    Raises HandshakeError (after telling the peer why and closing) on failure.
-    """
-    ours = _handshake_msg(info)
-    await comm.write([ours])
+async def _read_handshake_msg(comm: Comm, expected_op: str) -> dict:
+    """The peer's next handshake message; HandshakeError (after closing) if it is not one."""
     try:
         msgs = await comm.read()
     except ProtocolError as e:
-        raise HandshakeError(f"handshake with {comm.peer_address} failed: {e}") from e
-    first = msgs[0] if msgs else {}
-    if first.get("op") == "error":
+        raise HandshakeError(f"handshake with {comm.peer_address} failed: {e}{_HINT}") from e
+    except CommClosedError as e:
+        raise HandshakeError(f"{comm.peer_address} closed the connection during the "
+                             f"handshake{_HINT}") from e
+    msg = msgs[0] if len(msgs) == 1 else {"op": f"a frame of {len(msgs)} messages"}
+    if msg["op"] == "error":
         comm.abort()
-        raise HandshakeError(f"{comm.peer_address} refused the handshake: {first.get('error')}")
-    problem = _handshake_problem(ours, msgs)
-    if problem is not None:
+        error = ListenerBusyError if msg.get("busy") is True else HandshakeError
+        raise error(f"{comm.peer_address} refused the connection: "
+                    f"{bounded_repr(msg.get('error'))}")
+    if msg["op"] != expected_op:
+        problem = f"expected {expected_op!r}, got {bounded_repr(msg['op'], 60)}"
         await _refuse(comm, problem)
         raise HandshakeError(f"handshake with {comm.peer_address} failed: {problem}")
-    comm.extra = {k: v for k, v in first.items() if k != "op"}
+    return msg
+
+
+async def _fail(comm: Comm, problem: str) -> NoReturn:
+    """Refuse the peer with ``problem`` and raise HandshakeError."""
+    await _refuse(comm, problem)
+    raise HandshakeError(f"handshake with {comm.peer_address} failed: {problem}")
+
+
+def _peer_info(msg: dict) -> dict:
+    return {k: v for k, v in msg.items() if k not in ("op", "proof")}
+
+
+async def _connector_handshake(comm: Comm, info: dict, token: str | None) -> None:
+    ours = _hello(token)
+    await comm.write([ours])
+    theirs = await _read_handshake_msg(comm, "hello")
+    problem = _hello_problem(ours, theirs)
+    if problem is not None:
+        await _fail(comm, problem)
+    msg = {**info, "op": "handshake"}
+    if token is not None:
+        msg["proof"] = _proof(token, _CONNECTOR, theirs["nonce"], ours["nonce"])
+    await comm.write([msg])
+    reply = await _read_handshake_msg(comm, "handshake")
+    if token is not None:
+        expected = _proof(token, _LISTENER, theirs["nonce"], ours["nonce"])
+        proof = reply.get("proof")
+        if type(proof) is not bytes or not hmac.compare_digest(proof, expected):
+            await _fail(comm, "the listener could not prove it holds the cluster token")
+    comm.extra = _peer_info(reply)
+
+
+async def _listener_handshake(comm: Comm, info: dict, token: str | None) -> None:
+    theirs = await _read_handshake_msg(comm, "hello")
+    ours = _hello(token)
+    problem = _hello_problem(ours, theirs)
+    if problem is not None:
+        await _fail(comm, problem)
+    await comm.write([ours])
+    msg = await _read_handshake_msg(comm, "handshake")
+    if token is not None:
+        expected = _proof(token, _CONNECTOR, ours["nonce"], theirs["nonce"])
+        proof = msg.get("proof")
+        if type(proof) is not bytes or not hmac.compare_digest(proof, expected):
+            await _fail(comm, "wrong cluster token")
+    reply = {**info, "op": "handshake"}
+    if token is not None:
+        reply["proof"] = _proof(token, _LISTENER, ours["nonce"], theirs["nonce"])
+    await comm.write([reply])
+    comm.extra = _peer_info(msg)
 
 
 async def _refuse(comm: Comm, reason: str) -> None:
@@ -610,6 +784,25 @@ async def _refuse(comm: Comm, reason: str) -> None:
     comm.abort()
 
 
+def _admit(comm: Comm, max_frame_bytes: int) -> None:
+    """The handshake is done: lift the pre-handshake limits."""
+    comm.max_frame_bytes = max_frame_bytes
+    comm.max_buffers = DEFAULT_MAX_BUFFERS
+
+
+def _security_of(address: str, security: Security | None) -> Security:
+    """``security`` (or no credentials), checked against the address's scheme."""
+    if security is None:
+        security = Security()
+    scheme = parse_address(address)[0]
+    if scheme == "tls" and not security.tls:
+        raise ValueError(f"{address!r} is a tls:// address: pass security= with TLS files")
+    if scheme == "tcp" and security.tls:
+        raise ValueError(f"{address!r} is a tcp:// address, but security= has TLS files: "
+                         "use tls://")
+    return security
+
+
 # ---------------------------------------------------------------------------- connect
 
 
@@ -617,42 +810,45 @@ async def connect(
     address: str,
     handshake: dict,
     timeout: float = 10,
-    ssl_context: ssl.SSLContext | None = None,
+    security: Security | None = None,
     *,
     interval: float = DEFAULT_INTERVAL,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> Comm:
-    """Connect to ``address``, exchange handshakes and return the `Comm`.
+    """Connect to ``address``, prove our credentials, exchange ``handshake`` info, and
+    return the `Comm` (its ``extra`` holds the peer's info).
 
-    Refused or dropped attempts are retried with exponential backoff (10 ms doubling,
-    capped at 1 s) until ``timeout`` seconds have passed; then ``TimeoutError`` (an
-    OSError) names the address and the last error. ``HandshakeError`` and TLS errors
-    are raised at once, never retried.
+    ``security`` gives the token and TLS files (``tls://`` needs TLS files, ``tcp://``
+    must have none). Refused or dropped attempts to reach the address are retried with
+    exponential backoff (10 ms doubling, capped at 1 s) until ``timeout`` seconds have
+    passed; then ``TimeoutError`` (an OSError) names the address and the last error.
+    So are refusals of a listener that has too many connections (``ListenerBusyError``).
+    Once connected, a failed handshake (``HandshakeError``: a wrong token, a refusal, a
+    TLS/plain mismatch) or a TLS error is raised at once, never retried.
     """
     scheme, host, port = parse_address(address)
-    _check_ssl(address, scheme, ssl_context)
+    security = _security_of(address, security)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     backoff = 0.01
+    error: BaseException | None = None
     while True:
         remaining = deadline - loop.time()
+        if remaining <= 0 and error is not None:
+            raise TimeoutError(f"could not connect to {address} within {timeout}s: "
+                               f"{type(error).__name__}: {error}") from error
         try:
             return await _connect_once(
-                scheme, host, port, handshake, remaining, ssl_context,
+                scheme, host, port, handshake, max(remaining, 0.001), security,
                 interval=interval, max_frame_bytes=max_frame_bytes,
             )
         except HandshakeError:
             raise
         except ssl.SSLError as e:
-            raise ConnectionError(f"TLS connection to {address} failed: {e}") from e
+            raise HandshakeError(f"TLS connection to {address} failed: {e}") from e
         except (OSError, asyncio.TimeoutError, StreamClosedError) as e:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"could not connect to {address} within {timeout}s: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
-            await asyncio.sleep(min(backoff, remaining))
+            error = e
+            await asyncio.sleep(min(backoff, max(deadline - loop.time(), 0)))
             backoff = min(backoff * 2, 1.0)
 
 
@@ -662,32 +858,62 @@ async def _connect_once(
     port: int,
     handshake: dict,
     timeout: float,
-    ssl_context: ssl.SSLContext | None,
-    **comm_options: Any,
+    security: Security,
+    *,
+    interval: float,
+    max_frame_bytes: int,
 ) -> Comm:
     """One attempt: open the stream and shake hands, all within ``timeout`` seconds."""
-    if timeout <= 0:
-        raise asyncio.TimeoutError("no time left")
     stream = await TCPClient().connect(
-        host, port, ssl_options=ssl_context, timeout=timeout,
-        max_buffer_size=comm_options["max_frame_bytes"] + (1 << 20),
+        host, port, ssl_options=security.ssl_context(server_side=False), timeout=timeout,
+        max_buffer_size=max_frame_bytes + (1 << 20),
     )
-    comm = Comm(stream, scheme, **comm_options)
+    comm = Comm(stream, scheme, interval=interval, max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES,
+                max_buffers=0)
     try:
-        await asyncio.wait_for(_handshake(comm, handshake), timeout)
+        await asyncio.wait_for(_connector_handshake(comm, handshake, security.token), timeout)
     except BaseException:
         comm.abort()
         raise
+    _admit(comm, max_frame_bytes)
     return comm
 
 
 # ---------------------------------------------------------------------------- listen
+
+#: Connections still in their handshake, at most, in all and from one host.
+MAX_PENDING = 128
+MAX_PENDING_PER_HOST = 32
+#: File descriptors a process keeps free for everything but incoming connections.
+_RESERVED_FDS = 64
+#: Accepts handled per wake-up of a listening socket.
+_ACCEPTS_PER_WAKEUP = 64
+#: How long accepting pauses when the process is out of file descriptors.
+_ACCEPT_PAUSE = 1.0
+
+
+def default_max_connections() -> int:
+    """Open connections a listener allows by default: what the process's file
+    descriptor limit leaves after a reserve, at most 16,384."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    if soft == getattr(resource, "RLIM_INFINITY", -1) or soft <= 0:
+        soft = 1 << 20
+    return max(16, min(soft - _RESERVED_FDS, 16_384))
 
 
 class Listener:
     """Accepts connections on one address, shakes hands, and hands each `Comm` over.
 
     ``address`` is the address actually bound (the real port when 0 was asked for).
+    It refuses a connection beyond ``max_connections`` open ones (``max_per_host`` from
+    one host), or beyond `MAX_PENDING` (`MAX_PENDING_PER_HOST`) still in their
+    handshake; out of file descriptors, it stops accepting for a moment instead of
+    spinning, and says so once.
     """
 
     def __init__(
@@ -695,31 +921,45 @@ class Listener:
         scheme: str,
         on_connection: Callable[[Comm], Any],
         handshake: dict,
-        ssl_context: ssl.SSLContext | None,
+        security: Security,
         comm_options: dict,
         handshake_timeout: float,
+        max_connections: int,
+        max_per_host: int,
     ) -> None:
         self._scheme = scheme
         self._on_connection = on_connection
         self._handshake = dict(handshake)
+        self._security = security
+        self._ssl_context = security.ssl_context(server_side=True)
         self._comm_options = comm_options
         self._handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.max_per_host = max_per_host
+        self._loop = asyncio.get_running_loop()
+        self._sockets: list[socket.socket] = []
         self._tasks: set[asyncio.Task] = set()
         self._pending: set[Comm] = set()
-        self._server = _StreamServer(
-            self._accept,
-            ssl_options=ssl_context,
-            max_buffer_size=comm_options["max_frame_bytes"] + (1 << 20),
-        )
+        self._pending_by_host: dict[str, int] = {}
+        self._open_by_host: dict[str, int] = {}
+        self.n_open = 0
+        self._paused = False
+        self._stopped = False
+        self._log_refusal = _QuietLog(logging.WARNING)
+        self._log_handshake = _QuietLog(logging.WARNING)
         self.address = ""
 
     def __repr__(self) -> str:
-        return f"<Listener {self.address}>"
+        return f"<Listener {self.address} open={self.n_open}>"
 
     @property
     def port(self) -> int:
         """The port actually bound."""
         return parse_address(self.address)[2]
+
+    def set_handshake_info(self, **info: Any) -> None:
+        """Change what this listener tells its peers in the handshake from now on."""
+        self._handshake.update(info)
 
     def _bind(self, host: str, port: int) -> None:
         try:
@@ -727,32 +967,107 @@ class Listener:
         except OSError as e:
             address = _format_address(self._scheme, host, port)
             raise OSError(f"cannot listen on {address}: {e}") from e
-        self._server.add_sockets(sockets)
+        self._sockets = sockets
         bound_host, bound_port = sockets[0].getsockname()[:2]
         self.address = _format_address(self._scheme, bound_host, bound_port)
+        self._resume()
 
-    def _accept(self, stream: IOStream) -> None:
-        """tornado's per-connection callback: one task per connection."""
-        task = asyncio.get_running_loop().create_task(self._serve(stream))
+    # ------------------------------------------------------------ accepting
+
+    def _resume(self) -> None:
+        self._paused = False
+        if self._stopped:
+            return
+        for sock in self._sockets:
+            self._loop.add_reader(sock.fileno(), self._accept_ready, sock)
+
+    def _pause(self, error: OSError) -> None:
+        self._paused = True
+        for sock in self._sockets:
+            self._loop.remove_reader(sock.fileno())
+        self._log_refusal("%s cannot accept connections (%s); pausing for %.1f s",
+                          self.address, error.strerror or error, _ACCEPT_PAUSE)
+        self._loop.call_later(_ACCEPT_PAUSE, self._resume)
+
+    def _accept_ready(self, sock: socket.socket) -> None:
+        for _ in range(_ACCEPTS_PER_WAKEUP):
+            try:
+                conn, peer = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as e:  # EMFILE, ENFILE, ENOBUFS, ENOMEM ...
+                self._pause(e)
+                return
+            self._admit_socket(conn, peer[0] if isinstance(peer, tuple) else str(peer))
+
+    def _refusal(self, host: str) -> str | None:
+        if self.n_open >= self.max_connections:
+            return f"too many connections ({self.n_open}, limit {self.max_connections})"
+        if self._open_by_host.get(host, 0) >= self.max_per_host:
+            return f"too many connections from {host} (limit {self.max_per_host})"
+        if len(self._pending) >= MAX_PENDING:
+            return f"too many connections in their handshake (limit {MAX_PENDING})"
+        if self._pending_by_host.get(host, 0) >= MAX_PENDING_PER_HOST:
+            return (f"too many connections in their handshake from {host} "
+                    f"(limit {MAX_PENDING_PER_HOST})")
+        return None
+
+    def _admit_socket(self, conn: socket.socket, host: str) -> None:
+        conn.setblocking(False)
+        reason = self._refusal(host)
+        if reason is not None:
+            self._log_refusal("%s refused a connection from %s: %s", self.address, host, reason)
+            if self._ssl_context is None:  # a plain peer can read why
+                with contextlib.suppress(OSError):
+                    refusal = {"op": "error", "error": reason, "busy": True}
+                    conn.send(_Encoder().encode([refusal])[0])
+            conn.close()
+            return
+        max_buffer = self._comm_options["max_frame_bytes"] + (1 << 20)
+        try:
+            if self._ssl_context is not None:
+                conn = self._ssl_context.wrap_socket(conn, server_side=True,
+                                                     do_handshake_on_connect=False)
+                stream: IOStream = SSLIOStream(conn, max_buffer_size=max_buffer)
+            else:
+                stream = IOStream(conn, max_buffer_size=max_buffer)
+            comm = Comm(stream, self._scheme, interval=self._comm_options["interval"],
+                        max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES, max_buffers=0)
+        except (OSError, ssl.SSLError) as e:  # the peer left before we looked at it
+            logger.debug("connection to %s from %s dropped at once: %s", self.address, host, e)
+            conn.close()
+            return
+        self.n_open += 1
+        self._open_by_host[host] = self._open_by_host.get(host, 0) + 1
+        comm.add_close_callback(lambda: self._forget(host))
+        self._pending.add(comm)
+        self._pending_by_host[host] = self._pending_by_host.get(host, 0) + 1
+        task = self._loop.create_task(self._serve(comm, host))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, stream: IOStream) -> None:
+    def _forget(self, host: str) -> None:
+        """A connection closed: it no longer counts against the limits."""
+        self.n_open -= 1
+        _decrement(self._open_by_host, host)
+
+    async def _serve(self, comm: Comm, host: str) -> None:
         try:
-            comm = Comm(stream, self._scheme, **self._comm_options)
-        except OSError as e:  # the peer left before we looked at the socket
-            logger.info("connection to %s dropped before the handshake: %s", self.address, e)
-            stream.close()
-            return
-        self._pending.add(comm)
-        try:
-            await asyncio.wait_for(_handshake(comm, self._handshake), self._handshake_timeout)
+            await asyncio.wait_for(
+                _listener_handshake(comm, self._handshake, self._security.token),
+                self._handshake_timeout)
         except Exception as e:  # noqa: BLE001 - one bad peer must not break the listener
-            logger.warning("handshake on %s failed: %s", self.address, e)
+            if isinstance(e, asyncio.TimeoutError):
+                e = HandshakeError(f"no handshake within {self._handshake_timeout}s")
+            self._log_handshake("%s refused %s: %s", self.address, comm.peer_address, e)
             comm.abort()
             return
         finally:
             self._pending.discard(comm)
+            _decrement(self._pending_by_host, host)
+        _admit(comm, self._comm_options["max_frame_bytes"])
         await self._run_handler(comm)
 
     async def _run_handler(self, comm: Comm) -> None:
@@ -769,43 +1084,55 @@ class Listener:
 
         Handshaken comms belong to ``on_connection`` and are left alone.
         """
-        self._server.stop()
+        self._stopped = True
+        for sock in self._sockets:
+            if not self._paused:
+                self._loop.remove_reader(sock.fileno())
+            sock.close()
+        self._sockets = []
         for comm in list(self._pending):
             comm.abort()
 
 
-class _StreamServer(TCPServer):
-    """A TCPServer that passes each accepted stream to a plain callback."""
-
-    def __init__(self, accept: Callable[[IOStream], None], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._accept_stream = accept
-
-    def handle_stream(self, stream: IOStream, address: Any) -> None:
-        self._accept_stream(stream)
+def _decrement(counts: dict, key: str) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 async def listen(
     address: str,
     on_connection: Callable[[Comm], Awaitable[None] | None],
     handshake: dict,
-    ssl_context: ssl.SSLContext | None = None,
+    security: Security | None = None,
     *,
     interval: float = DEFAULT_INTERVAL,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-    handshake_timeout: float = 10.0,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    max_connections: int | None = None,
+    max_connections_per_host: int | None = None,
 ) -> Listener:
     """Listen on ``address`` (port 0 picks a free port) and return the `Listener`.
 
-    Each accepted connection is handshaken (within ``handshake_timeout`` seconds), then
-    ``await on_connection(comm)`` runs in a task of its own. A failed handshake is
-    logged and closes only that connection; an exception in ``on_connection`` is
-    logged and closes that comm. When ``on_connection`` returns the comm stays open:
-    the handler may keep it.
+    Each accepted connection must complete the handshake (proving ``security``'s token,
+    and under TLS presenting a certificate of its CA) within ``handshake_timeout``
+    seconds; then ``await on_connection(comm)`` runs in a task of its own. A failed
+    handshake is logged (rate-limited) and closes only that connection; an exception in
+    ``on_connection`` is logged and closes that comm. When ``on_connection`` returns the
+    comm stays open: the handler may keep it. ``max_connections`` (default: what the
+    file descriptor limit allows) and ``max_connections_per_host`` (default: three
+    quarters of that) bound the open connections.
     """
     scheme, host, port = parse_address(address)
-    _check_ssl(address, scheme, ssl_context)
+    security = _security_of(address, security)
+    if max_connections is None:
+        max_connections = default_max_connections()
+    if max_connections_per_host is None:  # leave other hosts a quarter
+        max_connections_per_host = max(1, max_connections * 3 // 4)
     options = {"interval": interval, "max_frame_bytes": max_frame_bytes}
-    listener = Listener(scheme, on_connection, handshake, ssl_context, options, handshake_timeout)
+    listener = Listener(scheme, on_connection, handshake, security, options, handshake_timeout,
+                        max_connections, max_connections_per_host)
     listener._bind(host, port)
     return listener

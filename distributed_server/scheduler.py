@@ -5,9 +5,15 @@ machine, and sends what the stimulus returns. It never writes into the state its
 never unpickles anything (run specs, results and errors pass through as bytes), and
 never runs user code. A worker's batch of finished-task reports becomes one stimulus.
 
-A malformed message closes the connection it came on, with a logged error; everyone
-else keeps being served. A worker whose connection closes, or that stays silent past
-``worker_ttl``, is removed and its work rescheduled.
+Only peers holding the cluster's credentials (`Security`: a token, TLS certificates)
+get past the handshake. A malformed message closes the connection it came on, with a
+logged error; a well-formed message the state machine refuses (bad input, or a key the
+peer may not touch) changes nothing, is logged, and costs a client an ``error`` reply,
+never its connection; everyone else keeps being served. A stimulus that raises after it
+began changing state is a bug: it is logged at ERROR with its stimulus id and the state
+is validated. A worker whose connection closes, or that stays silent past
+``worker_ttl``, is removed and its work rescheduled; a client silent past
+``client_idle_timeout`` is disconnected.
 """
 from __future__ import annotations
 
@@ -18,7 +24,13 @@ import time
 
 from distributed_core import COMPILED, SchedulerState, __version__
 
-from .comm import Blob, CommClosedError, ProtocolError, listen
+try:  # TEMPORARY until the core's InvalidStimulus lands
+    from distributed_core import InvalidStimulus
+except ImportError:
+    InvalidStimulus = (ValueError, TypeError, KeyError)
+
+from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
+from .security import Security, check_listen_security
 
 logger = logging.getLogger("distributed_server.scheduler")
 
@@ -49,24 +61,34 @@ def _keys(msg: dict) -> list:
 class Scheduler:
     """The scheduler server.
 
-    ``await Scheduler(...).start()`` listens on ``tcp://host:port`` (port 0 picks a free
-    one; ``address`` tells which). Keyword arguments of the state machine
-    (``validate``, ``worker_saturation``, ``allowed_failures``) pass through.
+    ``await Scheduler(...).start()`` listens on ``host:port`` (port 0 picks a free one;
+    ``address`` tells which), with ``tls://`` when ``security`` has TLS files. Peers
+    must hold ``security``'s token and/or certificates; a scheduler without credentials
+    may listen only on loopback unless ``insecure=True``. Keyword arguments of the state
+    machine (``validate``, ``worker_saturation``, ``allowed_failures``) pass through.
+    ``max_connections`` bounds open connections (default: what the file descriptor limit
+    allows).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, worker_ttl: float = 30.0,
-                 ssl_context=None, validate: bool = False, worker_saturation: float = 1.1,
-                 allowed_failures: int = 3):
+                 security: Security | None = None, insecure: bool = False,
+                 validate: bool = False, worker_saturation: float = 1.1,
+                 allowed_failures: int = 3, client_idle_timeout: float = 300.0,
+                 max_connections: int | None = None):
+        self.security = security if security is not None else Security()
+        check_listen_security(host, self.security, insecure, "scheduler")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
                                     allowed_failures=allowed_failures, clock=time.time)
         self.host = host
         self.port = port
         self.worker_ttl = worker_ttl
-        self.ssl_context = ssl_context
+        self.client_idle_timeout = client_idle_timeout
+        self.max_connections = max_connections
         self.address = ""
         self.worker_comms: dict = {}  # address -> Comm
         self.client_comms: dict = {}  # client id -> Comm
         self.last_seen: dict = {}  # worker address -> time.monotonic()
+        self.client_last_seen: dict = {}  # client id -> time.monotonic()
         self._listener = None
         self._ttl_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -89,11 +111,11 @@ class Scheduler:
 
     async def start(self) -> "Scheduler":
         """Listen for workers and clients."""
-        scheme = "tls" if self.ssl_context is not None else "tcp"
+        host = f"[{self.host}]" if ":" in self.host else self.host
         self._listener = await listen(
-            f"{scheme}://{self.host}:{self.port}", self._on_connection,
+            f"{self.security.scheme}://{host}:{self.port}", self._on_connection,
             {"role": "scheduler", "compiled": COMPILED, "version": __version__},
-            self.ssl_context)
+            self.security, max_connections=self.max_connections)
         self.address = self._listener.address
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
@@ -135,48 +157,51 @@ class Scheduler:
         elif role == "client":
             await self._serve_client(comm)
         else:
-            logger.error("connection from %s with unknown role %r; closing it",
-                         comm.peer_address, role)
+            logger.warning("connection from %s with unknown role %s; closing it",
+                           comm.peer_address, bounded_repr(role, 60))
             comm.abort()
 
     async def _serve_worker(self, comm) -> None:
         info = comm.extra
         try:
-            address, nthreads, name, resources = _worker_info(info)
+            address, nthreads, name, resources = _worker_info(info, self.security.scheme)
             _require(address not in self.worker_comms,
                      f"a worker at {address} is already registered")
-        except MessageError as exc:
-            logger.error("refusing worker from %s: %s", comm.peer_address, exc)
+            messages = self.state.add_worker(address, nthreads, self._sid("add-worker"),
+                                             name=name, resources=resources)
+        except (MessageError, InvalidStimulus) as exc:
+            logger.warning("refusing worker from %s: %s", comm.peer_address, exc)
             await _refuse(comm, str(exc))
             return
         self.worker_comms[address] = comm
         self.last_seen[address] = time.monotonic()
-        self._apply(self.state.add_worker(address, nthreads, self._sid("add-worker"),
-                                          name=name, resources=resources))
+        self._apply(messages)  # only now: they may be for this worker
         logger.info("worker %s joined (%d threads, name %r)", address, nthreads, name)
         try:
             await self._read_loop(comm, address, self._handle_worker_batch)
         finally:
             del self.worker_comms[address]
             self.last_seen.pop(address, None)
-            self._apply(self.state.remove_worker(address, self._sid("remove-worker")))
+            self._stimulus(address, "remove-worker", self.state.remove_worker, address)
             logger.info("worker %s left", address)
 
     async def _serve_client(self, comm) -> None:
         client_id = comm.extra.get("client_id")
         if not isinstance(client_id, str) or not client_id or client_id in self.client_comms:
-            logger.error("refusing client from %s: bad or duplicate client_id %r",
-                         comm.peer_address, client_id)
-            await _refuse(comm, f"bad or duplicate client_id {client_id!r}")
+            text = f"bad or duplicate client_id {bounded_repr(client_id, 100)}"
+            logger.warning("refusing client from %s: %s", comm.peer_address, text)
+            await _refuse(comm, text)
             return
         self.client_comms[client_id] = comm
-        self._apply(self.state.add_client(client_id, self._sid("add-client")))
+        self.client_last_seen[client_id] = time.monotonic()
+        self._stimulus(client_id, "add-client", self.state.add_client, client_id)
         logger.info("client %s connected from %s", client_id, comm.peer_address)
         try:
             await self._read_loop(comm, client_id, self._handle_client_batch)
         finally:
             del self.client_comms[client_id]
-            self._apply(self.state.remove_client(client_id, self._sid("remove-client")))
+            self.client_last_seen.pop(client_id, None)
+            self._stimulus(client_id, "remove-client", self.state.remove_client, client_id)
             logger.info("client %s left", client_id)
 
     async def _read_loop(self, comm, peer: str, handle) -> None:
@@ -187,14 +212,49 @@ class Scheduler:
                 # stay alive while the loop waits for the next one.
                 handle(peer, await comm.read())
         except ProtocolError as exc:
-            logger.error("closing connection to %s: %s", peer, exc)
+            logger.warning("closing connection to %s: %s", peer, exc)
         except CommClosedError:
             pass
-        except (MessageError, TypeError, KeyError, ValueError) as exc:
-            logger.error("closing connection to %s after a malformed message: %s: %s",
-                         peer, type(exc).__name__, exc)
+        except MessageError as exc:
+            logger.warning("closing connection to %s after a malformed message: %s", peer, exc)
         finally:
             comm.abort()
+
+    def _stimulus(self, peer: str, cause: str, stimulus, *args, **kwargs) -> bool:
+        """Run one stimulus of the state machine and send what it returns.
+
+        Returns False if the state machine refused the input (nothing changed; logged).
+        Any other exception is a bug in the state machine: it is logged at ERROR with
+        the stimulus id and the state is validated; the peer is not blamed.
+        """
+        stimulus_id = self._sid(cause)
+        try:
+            messages = stimulus(*args, stimulus_id, **kwargs)
+        except InvalidStimulus as exc:
+            logger.warning("refused %r from %s (%s): %s", cause, peer, stimulus_id, exc)
+            self._reply_error(peer, cause, exc)
+            return False
+        except Exception:
+            logger.exception("BUG: stimulus %s (%r from %s) raised after it may have changed "
+                             "the state", stimulus_id, cause, peer)
+            self._validate_after_bug(stimulus_id)
+            return False
+        self._apply(messages)
+        return True
+
+    def _validate_after_bug(self, stimulus_id: str) -> None:
+        try:
+            self.state.validate_state()
+        except Exception:
+            logger.exception("BUG: the state is invalid after stimulus %s", stimulus_id)
+        else:
+            logger.warning("the state is still valid after stimulus %s", stimulus_id)
+
+    def _reply_error(self, peer: str, cause: str, exc: Exception) -> None:
+        """Tell a client why its message was refused (workers get no replies)."""
+        comm = self.client_comms.get(peer)
+        if comm is not None:
+            _send_quietly(comm, {"op": "error", "request": cause, "error": str(exc)})
 
     # ------------------------------------------------------------------ workers
 
@@ -214,40 +274,47 @@ class Scheduler:
                 continue
             self._flush_reports(address, finished, erred)
             finished, erred = [], []
-            key = msg.get("key")
-            hash(key)
             if op == "missing-data":
-                errant = msg.get("errant_worker")
-                _require(isinstance(errant, str), "'missing-data' needs 'errant_worker'")
-                self._apply(self.state.missing_data(address, key, errant, self._sid(op)))
+                self._stimulus(address, op, self.state.missing_data, address, msg.get("key"),
+                               msg.get("errant_worker"))
             elif op == "reschedule":
-                self._apply(self.state.reschedule(address, key, self._sid(op)))
+                self._stimulus(address, op, self.state.reschedule, address, msg.get("key"))
             else:
-                raise MessageError(f"unknown operation {op!r} from worker {address}")
+                raise MessageError(f"unknown operation {bounded_repr(op, 60)} from worker "
+                                   f"{address}")
         self._flush_reports(address, finished, erred)
 
     def _flush_reports(self, address: str, finished: list, erred: list) -> None:
         if finished:
-            self._apply(self.state.task_finished(address, finished, self._sid("task-finished")))
+            self._stimulus(address, "task-finished", self.state.task_finished, address,
+                           finished)
         if erred:
-            self._apply(self.state.task_erred(address, erred, self._sid("task-erred")))
+            self._stimulus(address, "task-erred", self.state.task_erred, address, erred)
 
     async def _check_ttl(self) -> None:
-        """Remove workers that have been silent for longer than ``worker_ttl``."""
+        """Remove workers silent for longer than ``worker_ttl``, and disconnect clients
+        silent for longer than ``client_idle_timeout``."""
+        period = max(min(self.worker_ttl, self.client_idle_timeout) / 4, 0.05)
         while True:
-            await asyncio.sleep(max(self.worker_ttl / 4, 0.05))
-            deadline = time.monotonic() - self.worker_ttl
-            for address, seen in list(self.last_seen.items()):
-                if seen < deadline:
-                    logger.warning("worker %s silent for over %.1fs; removing it",
-                                   address, self.worker_ttl)
-                    comm = self.worker_comms.get(address)
-                    if comm is not None:
-                        comm.abort()
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for peers, comms, limit, kind in (
+                    (self.last_seen, self.worker_comms, self.worker_ttl, "worker"),
+                    (self.client_last_seen, self.client_comms, self.client_idle_timeout,
+                     "client")):
+                for peer, seen in list(peers.items()):
+                    if seen < now - limit:
+                        logger.warning("%s %s silent for over %.1fs; disconnecting it",
+                                       kind, peer, limit)
+                        peers.pop(peer, None)
+                        comm = comms.get(peer)
+                        if comm is not None:
+                            comm.abort()
 
     # ------------------------------------------------------------------ clients
 
     def _handle_client_batch(self, client_id: str, msgs: list) -> None:
+        self.client_last_seen[client_id] = time.monotonic()
         for msg in msgs:
             op = msg["op"]
             if op == "close-client":
@@ -258,29 +325,27 @@ class Scheduler:
             handler(client_id, msg)
 
     def _update_graph(self, client_id: str, msg: dict) -> None:
-        self._apply(self.state.update_graph(client_id, msg.get("tasks"), msg.get("keys"),
-                                            self._sid("update-graph")))
+        self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
+                       msg.get("tasks"), msg.get("keys"))
 
     def _update_data(self, client_id: str, msg: dict) -> None:
-        who_has, nbytes = msg.get("who_has"), msg.get("nbytes") or {}
-        _require(isinstance(who_has, dict) and isinstance(nbytes, dict),
-                 "'update-data' needs dicts 'who_has' and 'nbytes'")
-        self._apply(self.state.update_data(client_id, who_has, nbytes, self._sid("update-data")))
+        self._stimulus(client_id, "update-data", self.state.update_data, client_id,
+                       msg.get("who_has"), msg.get("nbytes") or {})
 
     def _release_keys(self, client_id: str, msg: dict) -> None:
-        self._apply(self.state.client_releases_keys(client_id, _keys(msg),
-                                                    self._sid("release-keys")))
+        self._stimulus(client_id, "release-keys", self.state.client_releases_keys, client_id,
+                       msg.get("keys"))
 
     def _desire_keys(self, client_id: str, msg: dict) -> None:
-        self._apply(self.state.client_desires_keys(client_id, _keys(msg),
-                                                   self._sid("desire-keys")))
+        self._stimulus(client_id, "desire-keys", self.state.client_desires_keys, client_id,
+                       msg.get("keys"))
 
     def _cancel(self, client_id: str, msg: dict) -> None:
-        self._apply(self.state.cancel(client_id, _keys(msg), self._sid("cancel"),
-                                      force=bool(msg.get("force", False))))
+        self._stimulus(client_id, "cancel", self.state.cancel, client_id, msg.get("keys"),
+                       force=msg.get("force", False) is True)
 
     def _retry(self, client_id: str, msg: dict) -> None:
-        self._apply(self.state.retry(client_id, _keys(msg), self._sid("retry")))
+        self._stimulus(client_id, "retry", self.state.retry, client_id, msg.get("keys"))
 
     def _who_has(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.state.who_has(_keys(msg)))
@@ -347,18 +412,14 @@ async def _refuse(comm, reason: str) -> None:
     comm.abort()
 
 
-def _worker_info(info: dict) -> tuple:
-    """Check a worker's handshake: (address, nthreads, name, resources)."""
+def _worker_info(info: dict, scheme: str) -> tuple:
+    """Check a worker's handshake: (address, nthreads, name, resources).
+
+    The state machine checks the values themselves; this checks the message's shape."""
     address = info.get("address")
-    nthreads = info.get("nthreads", 1)
-    name = info.get("name")
-    resources = info.get("resources")
-    _require(isinstance(address, str) and "://" in address,
-             f"worker handshake needs its listen 'address', got {address!r}")
-    _require(type(nthreads) is int and nthreads >= 1,
-             f"'nthreads' must be a positive int, got {nthreads!r}")
-    _require(name is None or isinstance(name, (str, int)), f"bad worker name {name!r}")
-    _require(resources is None or (isinstance(resources, dict) and all(
-        isinstance(k, str) and isinstance(v, (int, float)) for k, v in resources.items())),
-        f"bad worker resources {resources!r}")
-    return address, nthreads, name, resources
+    try:
+        _require(parse_address(address)[0] == scheme,
+                 f"a worker of this cluster listens on {scheme}://, not {address!r}")
+    except ValueError as exc:
+        raise MessageError(f"worker handshake needs its listen 'address': {exc}") from None
+    return address, info.get("nthreads", 1), info.get("name"), info.get("resources")

@@ -47,6 +47,7 @@ from collections import deque
 from queue import SimpleQueue
 
 from .comm import Blob, Comm, CommClosedError, ProtocolError, connect, listen, parse_address
+from .security import Security, check_listen_security
 from .serialize import (
     dumps_data,
     dumps_error,
@@ -74,6 +75,11 @@ CREATED, RUNNING_STATUS, CLOSING, CLOSED = "created", "running", "closing", "clo
 MAX_IDLE_PEER_COMMS = 4
 #: How long close() waits for executor threads to finish their current task.
 THREAD_JOIN_TIMEOUT = 1.0
+#: Most threads a worker may have (the scheduler counts them in 32 bits).
+MAX_THREADS = 2**31 - 1
+#: A result's size is reported clamped to this: a broken __sizeof__ cannot make the
+#: scheduler refuse the report.
+MAX_REPORTED_NBYTES = 2**62
 
 
 class _Job:
@@ -123,19 +129,26 @@ class Worker:
     one; ``worker.address`` tells which), then registers with the scheduler at
     ``scheduler_address``. Results live in ``worker.data`` (key -> value).
     ``resources`` (``{name: quantity}``) limit which tasks may run at once.
-    For ``tls://`` addresses, ``ssl_context`` is either one ``SSLContext`` used both to
-    listen and to connect, or a pair ``(listen_context, connect_context)`` (a server
-    and a client context).
+    ``security`` holds the cluster's token and/or TLS files (``tls://`` addresses need
+    TLS): it is proven to the scheduler and to peers, and demanded of every peer that
+    connects here. Without credentials the worker listens only on loopback unless
+    ``insecure=True``.
     ``connect_timeout`` bounds connecting to the scheduler at start and to a peer.
     """
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name=None,
                  resources: dict | None = None, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_interval: float = 1.0, reconnect_timeout: float = 10.0,
-                 ssl_context=None, *, connect_timeout: float = 10.0) -> None:
-        if type(nthreads) is not int or nthreads < 1:
-            raise ValueError(f"nthreads must be a positive int, got {nthreads!r}")
-        parse_address(scheduler_address)
+                 security: Security | None = None, *, insecure: bool = False,
+                 connect_timeout: float = 10.0) -> None:
+        if type(nthreads) is not int or not 1 <= nthreads <= MAX_THREADS:
+            raise ValueError(f"nthreads must be an int from 1 to {MAX_THREADS}, "
+                             f"got {nthreads!r}")
+        self.security = security if security is not None else Security()
+        check_listen_security(host, self.security, insecure, "worker")
+        if parse_address(scheduler_address)[0] != self.security.scheme:
+            raise ValueError(f"scheduler address {scheduler_address!r} does not fit the "
+                             f"security given (use {self.security.scheme}://)")
         self.scheduler_address = scheduler_address
         self.nthreads = nthreads
         self.name = name
@@ -145,8 +158,6 @@ class Worker:
         self.heartbeat_interval = heartbeat_interval
         self.reconnect_timeout = reconnect_timeout
         self.connect_timeout = connect_timeout
-        self.ssl_context = ssl_context
-        self._listen_ssl, self._connect_ssl = _split_ssl_context(ssl_context)
         self.address = ""
         self.status = CREATED
         self.data: dict = {}
@@ -197,19 +208,18 @@ class Worker:
         if self.status != CREATED:
             raise RuntimeError(f"{self!r} was already started")
         self._loop = asyncio.get_running_loop()
-        scheme = parse_address(self.scheduler_address)[0]
+        scheme = self.security.scheme
         self._listener = await listen(_join_address(scheme, self.host, self.port),
-                                      self._serve_peer, {"role": "worker"}, self._listen_ssl)
+                                      self._serve_peer, {"role": "worker"}, self.security)
         bound_port = self._listener.port
         self.address = _join_address(scheme, _contact_host(self.host, self.scheduler_address),
                                      bound_port)
-        # the port is only known after binding; comm copies the handshake at listen()
-        self._listener._handshake["address"] = self.address
+        self._listener.set_handshake_info(address=self.address)  # known once bound
         self._start_threads()
         self.status = RUNNING_STATUS
         try:
             comm = await connect(self.scheduler_address, self._registration(),
-                                 timeout=self.connect_timeout, ssl_context=self._connect_ssl)
+                                 timeout=self.connect_timeout, security=self.security)
         except BaseException:
             await self.close()
             raise
@@ -318,7 +328,7 @@ class Worker:
             try:
                 comm = await connect(self.scheduler_address, self._registration(),
                                      timeout=max(deadline - loop.time(), 0.01),
-                                     ssl_context=self._connect_ssl)
+                                     security=self.security)
             except (OSError, asyncio.TimeoutError) as exc:  # includes HandshakeError
                 error = exc
                 await asyncio.sleep(min(delay, max(deadline - loop.time(), 0)))
@@ -727,9 +737,9 @@ class Worker:
             comm = idle.pop()
             if not comm.closed:
                 return comm
-        ssl_context = self._connect_ssl if peer.startswith("tls://") else None
-        return await connect(peer, {"role": "peer"}, timeout=self.connect_timeout,
-                             ssl_context=ssl_context)
+        return await connect(peer, {"role": "worker", "address": self.address},
+                             timeout=self.connect_timeout,
+                             security=self.security)
 
     def _return_peer_comm(self, peer: str, comm: Comm) -> None:
         idle = self._peer_pool.setdefault(peer, [])
@@ -746,24 +756,26 @@ class Worker:
         try:
             while True:
                 msgs = await comm.read()
-                await comm.write([self._answer(msg) for msg in msgs])
+                await comm.write([self._answer(comm, msg) for msg in msgs])
         except ProtocolError as exc:
-            logger.error("worker %s: closing connection from %s: %s",
+            logger.warning("worker %s: closing connection from %s: %s",
                          self.address, comm.peer_address, exc)
         except CommClosedError:
             pass
         except Exception as exc:  # noqa: BLE001 - a bad request closes this connection only
-            logger.error("worker %s: closing connection from %s after a bad request: %s: %s",
+            logger.warning("worker %s: closing connection from %s after a bad request: %s: %s",
                          self.address, comm.peer_address, type(exc).__name__, exc)
         finally:
             self._served.discard(comm)
             comm.abort()
 
-    def _answer(self, msg: dict) -> dict:
+    def _answer(self, comm: Comm, msg: dict) -> dict:
         op = msg["op"]
         if op == "get-data":
             return self._get_data(msg)
         if op == "put-data":
+            if comm.extra.get("role") != "client":  # workers only ever read from peers
+                raise _BadRequest(f"put-data from a {comm.extra.get('role')!r} connection")
             return self._put_data(msg)
         if op == "ping":
             return {"op": "pong"}
@@ -814,7 +826,7 @@ def _run_job(job: _Job) -> tuple:
 
 def _finished_report(key, value, start: float, stop: float) -> dict:
     try:
-        nbytes = sizeof(value)
+        nbytes = min(max(int(sizeof(value)), 0), MAX_REPORTED_NBYTES)
     except Exception:  # noqa: BLE001 - a broken nbytes property must not lose the result
         nbytes = 64
     report = {"op": "task-finished", "key": key, "nbytes": nbytes,
@@ -851,14 +863,6 @@ def _pick_holder(holders: list, chosen: dict) -> str | None:
         if holder in chosen:
             return holder
     return random.choice(holders)
-
-
-def _split_ssl_context(ssl_context) -> tuple:
-    """``(listen_context, connect_context)`` from one context or a pair of them."""
-    if isinstance(ssl_context, (tuple, list)):
-        listen_context, connect_context = ssl_context
-        return listen_context, connect_context
-    return ssl_context, ssl_context
 
 
 def _join_address(scheme: str, host: str, port: int) -> str:

@@ -1,14 +1,18 @@
 """Fixtures and helpers shared by the server tests."""
+import asyncio
 import datetime
 import ipaddress
 import shutil
+import struct
 import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 
 from distributed_server import Client, LocalCluster
+from distributed_server.comm import PROTOCOL_VERSION, Comm, CommClosedError, parse_address
 
 # Test modules import the helpers below with `from server_helpers import ...`. This file's
 # own module name depends on pytest's import mode (prepend / importlib), so give it one name.
@@ -26,6 +30,108 @@ def wait_until_no_tasks(client, timeout: float = 20) -> None:
     while client.scheduler_info()["n_tasks"]:
         assert time.monotonic() < deadline, client.scheduler_info()["task_counts"]
         time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- comm tests: loop and raw wire
+
+
+def run(coro, timeout: float = 30):
+    """Run one test coroutine on a fresh event loop, failing it after ``timeout`` s."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class Recorder:
+    """An on_connection handler that keeps every comm and reads all of its frames."""
+
+    def __init__(self) -> None:
+        self.comms: list[Comm] = []
+        self.frames: asyncio.Queue = asyncio.Queue()
+        self.errors: asyncio.Queue = asyncio.Queue()
+
+    async def __call__(self, comm: Comm) -> None:
+        self.comms.append(comm)
+        while True:
+            try:
+                msgs = await comm.read()
+            except CommClosedError as e:
+                await self.errors.put((comm, e))
+                return
+            await self.frames.put(msgs)
+
+
+async def echo(comm: Comm) -> None:
+    """An on_connection handler that writes every frame straight back."""
+    try:
+        while True:
+            await comm.write(await comm.read())
+    except CommClosedError:
+        pass
+
+
+# ---------------------------------------------------------------- raw wire helpers
+
+
+def raw_frame(msgs, buffers=()) -> bytes:
+    """A frame built exactly as protocol.md describes it."""
+    return raw_frame_from_body(msgpack.packb(msgs), buffers)
+
+
+def raw_frame_from_body(body: bytes, buffers=()) -> bytes:
+    n = len(buffers)
+    lengths = struct.pack(f"<{n + 1}Q", len(body), *(len(b) for b in buffers))
+    return struct.pack("<Q", n) + lengths + body + b"".join(buffers)
+
+
+async def read_raw_frame(reader: asyncio.StreamReader):
+    """Parse one frame by hand: (messages, buffers); Blob refs become ('blob', i)."""
+    (n,) = struct.unpack("<Q", await reader.readexactly(8))
+    lengths = struct.unpack(f"<{n + 1}Q", await reader.readexactly(8 * (n + 1)))
+    body = await reader.readexactly(lengths[0])
+    buffers = [await reader.readexactly(size) for size in lengths[1:]]
+
+    def ext_hook(code, data):
+        assert code == 1
+        return ("blob", int.from_bytes(data, "little"))
+
+    msgs = msgpack.unpackb(body, use_list=False, strict_map_key=False, ext_hook=ext_hook)
+    return msgs, buffers
+
+
+def raw_hello(**fields) -> dict:
+    """A hello as protocol.md describes it (no token)."""
+    return {"op": "hello", "protocol": PROTOCOL_VERSION, "auth": "none", "nonce": b"n" * 32,
+            **fields}
+
+
+async def raw_client(address: str):
+    """A raw asyncio connection that has done its half of the handshake correctly."""
+    _, host, port = parse_address(address)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(raw_frame([raw_hello()]))
+    (hello,), _ = await read_raw_frame(reader)
+    assert hello["op"] == "hello"
+    writer.write(raw_frame([{"op": "handshake"}]))
+    (handshake,), _ = await read_raw_frame(reader)
+    assert handshake["op"] == "handshake"
+    return reader, writer
+
+
+async def raw_listener_handshake(reader, writer, **hello_fields) -> None:
+    """The listener's half of the handshake, by hand."""
+    await read_raw_frame(reader)  # the connector's hello
+    writer.write(raw_frame([raw_hello(**hello_fields)]))
+    await read_raw_frame(reader)  # its handshake
+    writer.write(raw_frame([{"op": "handshake"}]))
+
+
+async def start_raw_server(handle):
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"tcp://127.0.0.1:{port}"
+
+
+
+# ---------------------------------------------------------------- clusters
 
 
 @pytest.fixture(scope="module")

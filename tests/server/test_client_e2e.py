@@ -174,7 +174,8 @@ def test_as_completed(client):
 
 def test_async_client(cluster):
     async def main():
-        async with Client(cluster.scheduler_address, asynchronous=True) as client:
+        async with Client(cluster.scheduler_address, asynchronous=True,
+                          security=cluster.security) as client:
             assert await client.submit(inc, 1) == 2
             futures = client.map(inc, range(10))
             assert await client.gather(futures) == list(range(1, 11))

@@ -271,8 +271,7 @@ def until(predicate, timeout: float = 10) -> None:
 
 
 def test_handshake_names_the_client(scheduler, client):
-    assert scheduler.latest_comm().extra == {"role": "client", "client_id": client.id,
-                                             "protocol": 1}
+    assert scheduler.latest_comm().extra == {"role": "client", "client_id": client.id}
 
 
 def test_close_says_goodbye_and_is_idempotent(scheduler):

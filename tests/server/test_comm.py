@@ -19,7 +19,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server_helpers import (
+    Recorder,
+    echo,
+    raw_client,
+    raw_frame,
+    raw_frame_from_body,
+    raw_hello,
+    raw_listener_handshake,
+    read_raw_frame,
+    run,
+    start_raw_server,
+)
+
 from distributed_server import comm as comm_module
+from distributed_server.security import Security
 from distributed_server.comm import (
     PROTOCOL_VERSION,
     BURST_FRAMES,
@@ -34,84 +48,6 @@ from distributed_server.comm import (
     listen,
     parse_address,
 )
-
-
-def run(coro, timeout: float = 30):
-    """Run one test coroutine on a fresh event loop, failing it after ``timeout`` s."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-class Recorder:
-    """An on_connection handler that keeps every comm and reads all of its frames."""
-
-    def __init__(self) -> None:
-        self.comms: list[Comm] = []
-        self.frames: asyncio.Queue = asyncio.Queue()
-        self.errors: asyncio.Queue = asyncio.Queue()
-
-    async def __call__(self, comm: Comm) -> None:
-        self.comms.append(comm)
-        while True:
-            try:
-                msgs = await comm.read()
-            except CommClosedError as e:
-                await self.errors.put((comm, e))
-                return
-            await self.frames.put(msgs)
-
-
-async def echo(comm: Comm) -> None:
-    """An on_connection handler that writes every frame straight back."""
-    try:
-        while True:
-            await comm.write(await comm.read())
-    except CommClosedError:
-        pass
-
-
-# ---------------------------------------------------------------- raw wire helpers
-
-
-def raw_frame(msgs, buffers=()) -> bytes:
-    """A frame built exactly as protocol.md describes it."""
-    return raw_frame_from_body(msgpack.packb(msgs), buffers)
-
-
-def raw_frame_from_body(body: bytes, buffers=()) -> bytes:
-    n = len(buffers)
-    lengths = struct.pack(f"<{n + 1}Q", len(body), *(len(b) for b in buffers))
-    return struct.pack("<Q", n) + lengths + body + b"".join(buffers)
-
-
-async def read_raw_frame(reader: asyncio.StreamReader):
-    """Parse one frame by hand: (messages, buffers); Blob refs become ('blob', i)."""
-    (n,) = struct.unpack("<Q", await reader.readexactly(8))
-    lengths = struct.unpack(f"<{n + 1}Q", await reader.readexactly(8 * (n + 1)))
-    body = await reader.readexactly(lengths[0])
-    buffers = [await reader.readexactly(size) for size in lengths[1:]]
-
-    def ext_hook(code, data):
-        assert code == 1
-        return ("blob", int.from_bytes(data, "little"))
-
-    msgs = msgpack.unpackb(body, use_list=False, strict_map_key=False, ext_hook=ext_hook)
-    return msgs, buffers
-
-
-async def raw_client(address: str):
-    """A raw asyncio connection that has done its half of the handshake correctly."""
-    _, host, port = parse_address(address)
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(raw_frame([{"op": "handshake", "protocol": PROTOCOL_VERSION}]))
-    (hello,), _ = await read_raw_frame(reader)
-    assert hello["op"] == "handshake"
-    return reader, writer
-
-
-async def start_raw_server(handle):
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    return server, f"tcp://127.0.0.1:{port}"
 
 
 def free_port() -> int:
@@ -212,8 +148,7 @@ def test_wire_format_matches_protocol_md():
         received = asyncio.get_running_loop().create_future()
 
         async def handle(reader, writer):
-            writer.write(raw_frame([{"op": "handshake", "protocol": PROTOCOL_VERSION}]))
-            await read_raw_frame(reader)  # the client's handshake
+            await raw_listener_handshake(reader, writer)
             received.set_result(await read_raw_frame(reader))
             writer.close()
 
@@ -422,11 +357,11 @@ def test_handshake_fills_extra_with_the_peers_info():
         recorder = Recorder()
         listener = await listen("tcp://127.0.0.1:0", recorder, {"role": "scheduler"})
         comm = await connect(listener.address, {"role": "worker", "nthreads": 4})
-        assert comm.extra == {"protocol": PROTOCOL_VERSION, "role": "scheduler"}
+        assert comm.extra == {"role": "scheduler"}
         await comm.write([{"op": "ping"}])
         await recorder.frames.get()
         (server_comm,) = recorder.comms
-        assert server_comm.extra == {"protocol": PROTOCOL_VERSION, "role": "worker", "nthreads": 4}
+        assert server_comm.extra == {"role": "worker", "nthreads": 4}
         assert server_comm.peer_address == comm.local_address
         assert server_comm.local_address == comm.peer_address == listener.address
         await comm.close()
@@ -437,10 +372,13 @@ def test_handshake_fills_extra_with_the_peers_info():
 
 def test_protocol_mismatch_raises_handshake_error():
     async def main():
-        listener = await listen("tcp://127.0.0.1:0", echo, {"protocol": PROTOCOL_VERSION + 1})
+        async def newer(reader, writer):
+            await raw_listener_handshake(reader, writer, protocol=PROTOCOL_VERSION + 1)
+
+        server, address = await start_raw_server(newer)
         with pytest.raises(HandshakeError, match="protocol mismatch"):
-            await connect(listener.address, {}, timeout=5)
-        await listener.stop()
+            await connect(address, {}, timeout=5)
+        server.close()
 
     run(main())
 
@@ -448,8 +386,13 @@ def test_protocol_mismatch_raises_handshake_error():
 def test_client_with_wrong_protocol_is_refused_and_listener_keeps_serving():
     async def main():
         listener = await listen("tcp://127.0.0.1:0", echo, {})
-        with pytest.raises(HandshakeError):
-            await connect(listener.address, {"protocol": "0.0"}, timeout=5)
+        _, host, port = parse_address(listener.address)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(raw_frame([raw_hello(protocol="0.0")]))
+        (error,), _ = await read_raw_frame(reader)
+        assert error["op"] == "error" and "protocol mismatch" in error["error"]
+        assert await reader.read() == b""
+        writer.close()
         comm = await connect(listener.address, {})
         await comm.write([{"op": "still-alive"}])
         assert await comm.read() == [{"op": "still-alive"}]
@@ -479,11 +422,9 @@ def test_first_message_not_a_handshake_is_refused_with_an_error_message():
         listener = await listen("tcp://127.0.0.1:0", echo, {})
         _, host, port = parse_address(listener.address)
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(raw_frame([{"op": "hello"}]))
-        (hello,), _ = await read_raw_frame(reader)
-        assert hello["op"] == "handshake"
+        writer.write(raw_frame([{"op": "handshake", "role": "worker"}]))
         (error,), _ = await read_raw_frame(reader)
-        assert error["op"] == "error" and "handshake" in error["error"]
+        assert error["op"] == "error" and "expected 'hello'" in error["error"]
         assert await reader.read() == b""  # then the server hangs up
         writer.close()
         await listener.stop()
@@ -611,8 +552,7 @@ def test_malformed_handshake_does_not_break_the_listener(payload):
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(payload)
         await writer.drain()
-        await read_raw_frame(reader)  # the server's handshake
-        assert await reader.read() == b""  # then it hangs up on us
+        assert await reader.read() == b""  # it hangs up on us, having said nothing
         writer.close()
         assert recorder.comms == []  # the handler never saw the bad connection
 
@@ -668,17 +608,14 @@ def test_any_batch_of_plain_data_round_trips(batches):
 # ---------------------------------------------------------------- TLS
 
 
-def test_tls_round_trip_with_a_self_signed_cert(self_signed_cert):
-    cert, key = self_signed_cert
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
-    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cert)
+def test_tls_round_trip_between_members_of_one_ca():
+    security = Security.temporary(token=False)
     payload = b"secret" * 200_000
 
     async def main():
-        listener = await listen("tls://127.0.0.1:0", echo, {"tls": True}, ssl_context=server_ctx)
+        listener = await listen("tls://127.0.0.1:0", echo, {"tls": True}, security)
         assert listener.address.startswith("tls://127.0.0.1:")
-        comm = await connect(listener.address, {}, ssl_context=client_ctx)
+        comm = await connect(listener.address, {}, security=security)
         assert comm.peer_address == listener.address and comm.extra["tls"] is True
         await comm.write([{"op": "x", "key": ("k", 1), "data": Blob(payload)}])
         (msg,) = await comm.read()
@@ -691,28 +628,42 @@ def test_tls_round_trip_with_a_self_signed_cert(self_signed_cert):
     run(main())
 
 
-def test_tls_address_without_ssl_context_is_a_value_error():
+def test_address_scheme_must_fit_the_security_given():
     async def main():
-        with pytest.raises(ValueError, match="ssl_context"):
+        with pytest.raises(ValueError, match="security"):
             await connect("tls://127.0.0.1:1", {})
-        with pytest.raises(ValueError, match="ssl_context"):
-            await listen("tcp://127.0.0.1:0", echo, {}, ssl_context=ssl.create_default_context())
+        with pytest.raises(ValueError, match="tls://"):
+            await listen("tcp://127.0.0.1:0", echo, {}, Security.temporary(token=False))
 
     run(main())
 
 
-def test_tls_client_rejects_an_untrusted_server_at_once(self_signed_cert):
-    cert, key = self_signed_cert
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
-    untrusting_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)  # system CAs only
+def test_tls_peer_of_another_ca_is_refused_at_once():
+    ours, theirs = Security.temporary(token=False), Security.temporary(token=False)
 
     async def main():
-        listener = await listen("tls://127.0.0.1:0", echo, {}, ssl_context=server_ctx)
+        recorder = Recorder()
+        listener = await listen("tls://127.0.0.1:0", recorder, {}, ours)
         start = time.monotonic()
-        with pytest.raises(OSError, match="TLS"):
-            await connect(listener.address, {}, timeout=5, ssl_context=untrusting_ctx)
+        with pytest.raises(HandshakeError, match="TLS"):
+            await connect(listener.address, {}, timeout=5, security=theirs)
         assert time.monotonic() - start < 2  # not retried until the timeout
+        assert recorder.comms == []
+        await listener.stop()
+
+    run(main())
+
+
+def test_plain_tcp_peer_of_a_tls_listener_is_refused_at_once():
+    security = Security.temporary(token=False)
+
+    async def main():
+        recorder = Recorder()
+        listener = await listen("tls://127.0.0.1:0", recorder, {}, security)
+        plain_address = listener.address.replace("tls://", "tcp://")
+        with pytest.raises(HandshakeError, match="tls://"):
+            await connect(plain_address, {}, timeout=5)
+        assert recorder.comms == []
         await listener.stop()
 
     run(main())

@@ -517,7 +517,8 @@ def test_large_graph_does_not_stall_the_scheduler(cluster, client):
     graph, root = tree_graph(100_000)
     assert len(graph) == 199_999
     other = subprocess.Popen([sys.executable, "-c", MEASURER, cluster.scheduler_address],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, **cluster.security.environment()})
     try:
         assert other.stdout.readline().strip() == "ready"
         time.sleep(0.5)

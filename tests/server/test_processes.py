@@ -4,6 +4,7 @@ Every scheduler and worker here is a real process on loopback, started the way a
 starts them (``python -m distributed_server.cli`` is what the ``dcore`` script runs).
 """
 import inspect
+import os
 import signal
 import subprocess
 import sys
@@ -122,7 +123,8 @@ def test_client_process_dying_midgraph_releases_its_tasks_and_others_are_served(
             time.sleep(60)
         """)
         doomed = subprocess.Popen([sys.executable, "-c", TASKS + script],
-                                  stdout=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, **cluster.security.environment()})
         assert doomed.stdout.readline().strip() == "submitted"
         deadline = time.monotonic() + 30
         while survivor.scheduler_info()["n_tasks"] == 0 and time.monotonic() < deadline:

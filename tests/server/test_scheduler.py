@@ -1,9 +1,11 @@
 """The Scheduler server over real loopback sockets, with hand-driven peers.
 
 The peers here are raw comms, so each test controls exactly what the scheduler reads:
-malformed input must close only the connection it came on.
+malformed input must close only the connection it came on, refused input must change
+nothing, and no test may make the scheduler log an ERROR (that is kept for its bugs).
 """
 import asyncio
+import logging
 
 import pytest
 
@@ -11,6 +13,16 @@ from distributed_server.comm import CommClosedError, connect, parse_address
 from distributed_server.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def no_errors_logged(caplog):
+    """Bad input is the peer's fault: the scheduler logs it as a WARNING at most."""
+    with caplog.at_level(logging.WARNING, logger="distributed_server"):
+        yield
+    errors = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.ERROR and r.name.startswith("distributed_server")]
+    assert not errors, errors
 
 
 def run(coro):
@@ -106,11 +118,10 @@ def test_releasing_keys_frees_them_on_the_worker_and_the_scheduler():
 
 @pytest.mark.parametrize("bad", [
     {"op": "no-such-op"},
-    {"op": "release-keys", "keys": 5},
-    {"op": "release-keys", "keys": [{"a": 1}]},
-    {"op": "update-data", "who_has": [], "nbytes": {}},
+    {"op": "update-graph", "tasks": [{"key": "x", "spec": b"S"}], "keys": ["x"], "op2": 1,
+     "reqid": 1} | {"op": 7},
 ])
-def test_malformed_client_message_closes_only_that_connection(bad):
+def test_a_malformed_client_message_closes_only_that_connection(bad):
     async def main():
         async with Scheduler(validate=True) as s:
             w, good = await _worker(s), await _client(s, "good")
@@ -122,6 +133,64 @@ def test_malformed_client_message_closes_only_that_connection(bad):
             await _read_op(w, "compute-task")
             w.send({"op": "task-finished", "key": "a", "nbytes": 1})
             assert (await _read_op(good, "key-in-memory"))["key"] == "a"
+
+    run(main())
+
+
+@pytest.mark.parametrize("bad", [
+    {"op": "release-keys", "keys": 5},
+    {"op": "release-keys", "keys": [{"a": 1}]},
+    {"op": "update-data", "who_has": [], "nbytes": {}},
+    {"op": "update-data", "who_has": {"fine": ["tcp://127.0.0.1:1"], "bad": 3},
+     "nbytes": {"fine": 10}},
+    {"op": "cancel", "keys": ["a"], "force": True},
+    {"op": "retry", "keys": ["a"]},
+])
+def test_a_refused_client_message_changes_nothing_and_keeps_the_connection(bad):
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w, good = await _worker(s), await _client(s, "good")
+            evil = await _client(s, "evil")
+            good.send({"op": "update-graph", "tasks": [{"key": "a", "spec": b"S"}],
+                       "keys": ["a"]})
+            await _read_op(w, "compute-task")
+            before = await _request(good, "identity")
+            evil.send(bad)
+            refusal = await _read_op(evil, "error")
+            assert refusal["request"] == bad["op"] and refusal["error"]
+            assert await _request(good, "identity") == before
+            assert (await _request(evil, "identity"))["n_tasks"] == 1  # still connected
+            w.send({"op": "task-finished", "key": "a", "nbytes": 1})
+            assert (await _read_op(good, "key-in-memory"))["key"] == "a"
+
+    run(main())
+
+
+def test_a_client_that_stops_heartbeating_is_disconnected():
+    async def main():
+        async with Scheduler(validate=True, client_idle_timeout=0.3) as s:
+            silent = await _client(s, "silent")
+            talking = await _client(s, "talking")
+            for _ in range(8):
+                talking.send({"op": "heartbeat"})
+                await asyncio.sleep(0.1)
+            assert await asyncio.wait_for(_closed(silent), 2)
+            assert "talking" in s.client_comms and "silent" not in s.client_comms
+
+    run(main())
+
+
+def test_a_real_client_heartbeats_and_stays_connected(monkeypatch):
+    from distributed_server import client as client_module
+    from distributed_server.client import Client
+
+    monkeypatch.setattr(client_module, "HEARTBEAT_INTERVAL", 0.05)
+
+    async def main():
+        async with Scheduler(validate=True, client_idle_timeout=0.3) as s:
+            async with Client(s.address, asynchronous=True, set_as_default=False) as c:
+                await asyncio.sleep(1.0)
+                assert c.status == "running" and len(s.client_comms) == 1
 
     run(main())
 
@@ -142,20 +211,25 @@ def test_garbage_bytes_close_only_that_connection():
     run(main())
 
 
-def test_malformed_worker_report_removes_that_worker_and_reschedules_its_task():
+def test_an_impossible_worker_report_fails_that_task_only():
     async def main():
         async with Scheduler(validate=True) as s:
-            w1 = await _worker(s, port=1)
+            w = await _worker(s, port=1)
             c = await _client(s)
-            c.send({"op": "update-graph", "tasks": [{"key": "a", "spec": b"S"}], "keys": ["a"]})
-            await _read_op(w1, "compute-task")
-            w2 = await _worker(s, port=2)
-            w1.send({"op": "task-finished", "key": "a", "nbytes": "not an int"})
-            assert await _closed(w1)
-            again = await _read_op(w2, "compute-task")
-            assert again["key"] == "a"
-            w2.send({"op": "task-finished", "key": "a", "nbytes": 1})
-            assert (await _read_op(c, "key-in-memory"))["key"] == "a"
+            c.send({"op": "update-graph", "keys": ["a", "b"],
+                    "tasks": [{"key": "a", "spec": b"S"}, {"key": "b", "spec": b"S"}]})
+            await _read_op(w, "compute-task")
+            await _read_op(w, "compute-task")
+            await w.write([{"op": "task-finished", "key": "a", "nbytes": "not an int"},
+                           {"op": "task-finished", "key": "b", "nbytes": 1}])
+            got = {}
+            while len(got) < 2:
+                for msg in await c.read():
+                    if msg["op"] in ("task-erred", "key-in-memory"):
+                        got[msg["key"]] = msg
+            assert got["a"]["op"] == "task-erred" and "nbytes" in got["a"]["text"]
+            assert got["b"]["op"] == "key-in-memory"
+            assert "tcp://127.0.0.1:1" in s.worker_comms  # the worker keeps its connection
 
     run(main())
 

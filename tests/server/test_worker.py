@@ -182,8 +182,8 @@ def compute(key, func, *args, priority=(0, 0, 0), who_has=None, resources=None) 
     return msg
 
 
-async def peer(worker: Worker):
-    return await connect(worker.address, {"role": "peer"}, timeout=5)
+async def peer(worker: Worker, role: str = "client"):
+    return await connect(worker.address, {"role": role}, timeout=5)
 
 
 async def request(comm, msg: dict) -> dict:
@@ -556,6 +556,18 @@ def test_peers_can_put_get_and_ping():
     run(main())
 
 
+def test_only_clients_may_put_data_on_a_worker():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            comm = await peer(w, role="worker")
+            frames = [Blob(f) for f in dumps_data(b"forged")]
+            await comm.write([{"op": "put-data", "data": {"k": frames}}])
+            with pytest.raises(CommClosedError):
+                await comm.read()
+            assert "k" not in w.data
+    run(main())
+
+
 def test_a_malformed_peer_request_closes_only_that_connection(caplog):
     async def main():
         async with FakeScheduler() as s, await s.worker() as w:
@@ -801,26 +813,20 @@ def test_the_real_scheduler_closing_shuts_its_workers_down():
     run(main())
 
 
-def test_workers_speak_tls_to_the_scheduler_and_to_each_other(self_signed_cert):
-    import ssl
-
-
+def test_workers_speak_tls_with_a_token_to_the_scheduler_and_to_each_other():
     from distributed_server.scheduler import Scheduler
+    from distributed_server.security import Security
 
-    cert, key = self_signed_cert
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
-    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cert)
+    security = Security.temporary()
 
     async def main():
-        async with Scheduler(ssl_context=server_ctx) as s:
-            contexts = (server_ctx, client_ctx)
-            async with Worker(s.address, ssl_context=contexts) as a, \
-                    Worker(s.address, ssl_context=contexts) as b:
+        async with Scheduler(security=security, validate=True) as s:
+            async with Worker(s.address, security=security) as a, \
+                    Worker(s.address, security=security) as b:
                 assert a.address.startswith("tls://") and b.address.startswith("tls://")
                 _, served = count_calls(a, b)
                 client = await connect(s.address, {"role": "client", "client_id": "c"},
-                                       ssl_context=client_ctx)
+                                       security=security)
                 tasks, final = tree_sum_graph(64)
                 client.send({"op": "update-graph", "tasks": tasks, "keys": [final]})
                 msg = await read_until(client, "key-in-memory", final)
