@@ -47,10 +47,13 @@ TaskPrefix = _core.TaskPrefix
 SchedulerState = _core.SchedulerState
 InvalidTransition = _core.InvalidTransition
 InvariantError = _core.InvariantError
+InvalidStimulus = _core.InvalidStimulus
 GraphError = _core.GraphError
+bounded_repr = _core.bounded_repr
 TASK_STATES = _core.TASK_STATES
 
 __all__ = [
     "COMPILED", "CORE_FILE", "TaskState", "WorkerState", "ClientState", "TaskPrefix", "SchedulerState",
-    "InvalidTransition", "InvariantError", "GraphError", "TASK_STATES", "__version__",
+    "InvalidTransition", "InvariantError", "InvalidStimulus", "GraphError",
+    "bounded_repr", "TASK_STATES", "__version__",
 ]

@@ -10,6 +10,10 @@ Rules of this module (everything that decides a task's state lives in this file)
   ``remove_worker``, ...) takes plain data and a stimulus id, changes the state only
   through transitions, and returns ``(client_msgs, worker_msgs)``: dicts mapping a client
   id / worker address to a list of msgpack-ready message dicts.
+- Stimuli are transactions. A stimulus checks all of its input before it changes
+  anything; refused input raises ``InvalidStimulus`` and leaves the state exactly as it
+  was. One bad report in a worker's batch errs (or is ignored for) that one task, never
+  the batch. Any other exception is a bug.
 - One table, one engine. ``_TRANSITIONS[start][finish]`` names the function for each
   allowed move. A transition changes one task and may *recommend* states for others; the
   engine applies recommendations until none are left. A move with no entry goes through
@@ -60,6 +64,12 @@ _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 _LAYER_CACHE_SIZE = 10_000  # layer names (key[0] of tuple keys) remembered at most
 _DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
+_INT64_MIN = -2 ** 63
+_INT64_MAX = 2 ** 63 - 1
+_MAX_NBYTES = 2 ** 62  # the largest result size a report may claim
+_MAX_DURATION = 1e7  # seconds; a longer (or negative) reported run time counts as unknown
+_EXACT_FLOAT_INT = 2 ** 53  # ints a report's start / stop may be (exact as floats)
+_QUOTE_LIMIT = 200  # characters of a refused value that an error message quotes
 
 
 class InvalidTransition(RuntimeError):
@@ -70,8 +80,13 @@ class InvariantError(AssertionError):
     """Validation found the state inconsistent (only raised when ``validate`` is on)."""
 
 
-class GraphError(ValueError):
+class InvalidStimulus(ValueError):
+    """A stimulus refused its input before changing anything: the state is as it was."""
+
+
+class GraphError(InvalidStimulus):
     """A graph submitted by a client was refused; nothing was changed."""
+
 
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -342,20 +357,176 @@ def key_prefix(key) -> str:
 
 _BYTES = (bytes, bytearray, memoryview)
 _SEQUENCE = (list, tuple)
+_BRACKETS = {list: ("[", "]"), tuple: ("(", ")"), set: ("{", "}"),
+             frozenset: ("frozenset({", "})"), dict: ("{", "}")}
+
+
+def bounded_repr(value, limit: int = _QUOTE_LIMIT) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that quote input.
+
+    The work is bounded too: a long list, string or int is not rendered whole first, and
+    a repr that raises is replaced by a placeholder."""
+    text = _repr_within(value, max(limit, 4), 0)
+    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
+
+
+def _repr_within(value, budget, depth) -> str:
+    """A repr that stops a little past ``budget`` characters (the caller cuts it)."""
+    kind = type(value)
+    if kind is str or kind is bytes or kind is bytearray:
+        return repr(value[:budget + 1])
+    if kind is int:
+        if value.bit_length() > 4 * budget:
+            return f"<int of {value.bit_length()} bits>"
+        return repr(value)
+    brackets = _BRACKETS.get(kind)
+    if brackets is None:
+        try:
+            text = repr(value)
+        except Exception:
+            text = f"<{kind.__name__} object>"
+        return text[:budget + 1]
+    if kind is set and not value:
+        return "set()"
+    opening, closing = brackets
+    if depth >= 8:
+        return opening + "..." + closing
+    parts = []
+    used = len(opening)
+    for item in (value.items() if kind is dict else value):
+        if used > budget:
+            parts.append("...")
+            break
+        if kind is dict:
+            text = _repr_within(item[0], budget - used, depth + 1)
+            text += ": " + _repr_within(item[1], budget - used - len(text), depth + 1)
+        else:
+            text = _repr_within(item, budget - used, depth + 1)
+        parts.append(text)
+        used += len(text) + 2
+    if kind is tuple and len(value) == 1:
+        closing = ",)"
+    return opening + ", ".join(parts) + closing
+
+
+@cython.cfunc
+def _key_problem(key) -> object:
+    """Why ``key`` cannot name a task (a text), or None if it can."""
+    try:
+        hash(key)
+    except Exception:
+        return f"key {bounded_repr(key)} is not hashable"
+    if type(key) is float and key != key:
+        return "a key must not be NaN (it is not equal to itself)"
+    return None
+
+
+@cython.cfunc
+def _check_keys(keys, what: str) -> None:
+    """Refuse anything but a list or tuple of keys."""
+    if not isinstance(keys, _SEQUENCE):
+        raise InvalidStimulus(f"{what}: keys must be a list of keys, not {bounded_repr(keys)}")
+    for key in keys:
+        problem = _key_problem(key)
+        if problem is not None:
+            raise InvalidStimulus(f"{what}: {problem}")
+
+
+@cython.cfunc
+def _check_key(key, what: str) -> None:
+    problem = _key_problem(key)
+    if problem is not None:
+        raise InvalidStimulus(f"{what}: {problem}")
+
+
+@cython.cfunc
+def _check_str(value, what: str) -> None:
+    if not isinstance(value, str):
+        raise InvalidStimulus(f"{what} must be a str, not {bounded_repr(value)}")
+
+
+@cython.cfunc
+def _is_quantity(value) -> cython.bint:
+    """A resource quantity: a non-negative, finite number (no bool)."""
+    kind = type(value)
+    if kind is int:
+        return 0 <= value <= _INT64_MAX
+    if kind is float:
+        return value >= 0.0 and math.isfinite(value)
+    return False
+
+
+@cython.cfunc
+def _check_resources(resources, what: str) -> object:
+    """``resources`` as a dict of its own (None if empty), or InvalidStimulus."""
+    if resources is None:
+        return None
+    if type(resources) is not dict:
+        raise InvalidStimulus(f"{what}: resources must be a dict, not {bounded_repr(resources)}")
+    for name, quantity in resources.items():
+        if not isinstance(name, str) or not _is_quantity(quantity):
+            raise InvalidStimulus(f"{what}: resources must map names (str) to non-negative "
+                                  f"finite numbers, not {bounded_repr(name)}: "
+                                  f"{bounded_repr(quantity)}")
+    return dict(resources) if resources else None
+
+
+@cython.cfunc
+def _is_real(value) -> cython.bint:
+    kind = type(value)
+    return kind is float or (kind is int and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT)
+
+
+@cython.cfunc
+def _reported_duration(report: dict) -> cython.double:
+    """``stop - start`` of a report; -1 (unknown) unless both are numbers and it is a
+    plausible run time: a duration only feeds estimates, it fails no task."""
+    start = report.get("start")
+    stop = report.get("stop")
+    if not _is_real(start) or not _is_real(stop):
+        return -1.0
+    duration: cython.double = float(stop) - float(start)
+    if not 0.0 <= duration <= _MAX_DURATION:
+        return -1.0
+    return duration
+
+
+@cython.cfunc
+def _finished_problem(nbytes, type_name, data) -> object:
+    """What is impossible in a task-finished report (a text), or None."""
+    if type(nbytes) is not int or not 0 <= nbytes <= _MAX_NBYTES:
+        return f"nbytes must be an int from 0 to 2**62, not {bounded_repr(nbytes)}"
+    if type_name is not None and not isinstance(type_name, str):
+        return f"type must be a str, not {bounded_repr(type_name)}"
+    if data is not None and not isinstance(data, _BYTES):
+        return f"data must be bytes, not {bounded_repr(data)}"
+    return None
+
+
+@cython.cfunc
+def _erred_problem(report: dict) -> object:
+    """What is impossible in a task-erred report (a text), or None."""
+    for field in ("exception", "traceback"):
+        value = report.get(field)
+        if value is not None and not isinstance(value, _BYTES):
+            return f"{field} must be bytes, not {bounded_repr(value)}"
+    text = report.get("text")
+    if text is not None and not isinstance(text, str):
+        return f"text must be a str, not {bounded_repr(text)}"
+    return None
 
 
 @cython.cfunc
 def _check_task_entry(i: cython.Py_ssize_t, entry) -> object:
     """Check one task dict of ``update_graph``; return its key or raise GraphError."""
     if type(entry) is not dict:
-        raise GraphError(f"task #{i} is not a dict: {type(entry).__name__}")
+        raise GraphError(f"task #{i} is not a dict: {bounded_repr(entry)}")
     if "key" not in entry:
         raise GraphError(f"task #{i} has no 'key'")
     key = entry["key"]
-    try:
-        hash(key)
-    except TypeError:
-        raise GraphError(f"task #{i}: key {key!r} is not hashable") from None
+    problem = _key_problem(key)
+    if problem is not None:
+        raise GraphError(f"task #{i}: {problem}")
     return key
 
 
@@ -363,30 +534,33 @@ def _check_task_entry(i: cython.Py_ssize_t, entry) -> object:
 def _check_new_task(key, entry: dict) -> None:
     """Check the fields of a task dict whose key the scheduler does not know yet."""
     if not isinstance(entry.get("spec"), _BYTES):
-        raise GraphError(f"task {key!r} has no run spec (bytes)")
+        raise GraphError(f"task {bounded_repr(key)} has no run spec (bytes)")
     deps = entry.get("deps")
     if deps is not None and not isinstance(deps, _SEQUENCE):
-        raise GraphError(f"task {key!r}: 'deps' must be a list of keys")
+        raise GraphError(f"task {bounded_repr(key)}: 'deps' must be a list of keys, not "
+                         f"{bounded_repr(deps)}")
     for field in ("priority", "order", "retries"):
         value = entry.get(field)
         if value is not None and (type(value) is not int or not _INT32_MIN < value <= _INT32_MAX):
-            raise GraphError(f"task {key!r}: {field!r} must be an int of 32 bits, "
-                             f"not {value!r}")
+            raise GraphError(f"task {bounded_repr(key)}: {field!r} must be an int of 32 bits, "
+                             f"not {bounded_repr(value)}")
     if (entry.get("retries") or 0) < 0:
-        raise GraphError(f"task {key!r}: 'retries' must not be negative")
+        raise GraphError(f"task {bounded_repr(key)}: 'retries' must not be negative")
     workers = entry.get("workers")
     if workers is not None and (not isinstance(workers, _SEQUENCE)
-                                or not all(isinstance(w, str) for w in workers)):
-        raise GraphError(f"task {key!r}: 'workers' must be a list of addresses or names")
+                                or not all([isinstance(w, str) for w in workers])):
+        raise GraphError(f"task {bounded_repr(key)}: 'workers' must be a list of addresses "
+                         f"or names, not {bounded_repr(workers)}")
     resources = entry.get("resources")
     if resources is not None and (
-            not isinstance(resources, dict)
-            or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
-                       for k, v in resources.items())):
-        raise GraphError(f"task {key!r}: 'resources' must map names to quantities")
+            type(resources) is not dict
+            or not all([isinstance(k, str) and _is_quantity(v) for k, v in resources.items()])):
+        raise GraphError(f"task {bounded_repr(key)}: 'resources' must map names to "
+                         f"non-negative finite quantities, not {bounded_repr(resources)}")
     annotations = entry.get("annotations")
     if annotations is not None and not isinstance(annotations, dict):
-        raise GraphError(f"task {key!r}: 'annotations' must be a dict")
+        raise GraphError(f"task {bounded_repr(key)}: 'annotations' must be a dict, not "
+                         f"{bounded_repr(annotations)}")
 
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -483,15 +657,22 @@ class SchedulerState:
         self.unrunnable = {}
 
     # ------------------------------------------------------------------ stimuli
+    #
+    # Each stimulus first checks all of its input and raises InvalidStimulus before
+    # _begin, so a refused call changes nothing. Only then does it change the state.
 
-    def add_client(self, client: str, stimulus_id: str) -> tuple:
+    def add_client(self, client, stimulus_id) -> tuple:
         """A client connected."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
         self._begin(stimulus_id)
         self._client(client)
         return self._end()
 
-    def remove_client(self, client: str, stimulus_id: str) -> tuple:
+    def remove_client(self, client, stimulus_id) -> tuple:
         """A client left: release everything it wanted and forget it."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
         self._begin(stimulus_id)
         cs: ClientState = self.clients.get(client)
         if cs is not None:
@@ -500,13 +681,23 @@ class SchedulerState:
             del self.clients[client]
         return self._end()
 
-    def add_worker(self, address: str, nthreads: int, stimulus_id: str, name=None,
-                   resources: Optional[dict] = None) -> tuple:
-        """A worker joined: give it queued and previously unrunnable tasks."""
+    def add_worker(self, address, nthreads, stimulus_id, name=None, resources=None) -> tuple:
+        """A worker joined: give it queued and previously unrunnable tasks.
+
+        ``nthreads`` is an int from 1 to 2**31-1, ``name`` a str, an int or None (then
+        the address), ``resources`` a dict of names to non-negative finite quantities."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(address, "worker address")
         if address in self.workers:
-            raise ValueError(f"worker {address!r} is already registered")
-        if nthreads < 1:
-            raise ValueError(f"nthreads must be at least 1, not {nthreads!r}")
+            raise InvalidStimulus(f"worker {bounded_repr(address)} is already registered")
+        if type(nthreads) is not int or not 1 <= nthreads <= _INT32_MAX:
+            raise InvalidStimulus(f"worker {bounded_repr(address)}: nthreads must be an int "
+                                  f"from 1 to {_INT32_MAX}, not {bounded_repr(nthreads)}")
+        if name is not None and not isinstance(name, str) and (
+                type(name) is not int or not _INT64_MIN <= name <= _INT64_MAX):
+            raise InvalidStimulus(f"worker {bounded_repr(address)}: name must be a str or "
+                                  f"an int of 64 bits, not {bounded_repr(name)}")
+        resources = _check_resources(resources, f"worker {bounded_repr(address)}")
         self._begin(stimulus_id)
         ws = WorkerState(address, nthreads, name, resources)
         ws.slots = self._slots_for(nthreads)
@@ -517,8 +708,10 @@ class SchedulerState:
             self._recs[ts] = PROCESSING
         return self._end()
 
-    def remove_worker(self, address: str, stimulus_id: str) -> tuple:
+    def remove_worker(self, address, stimulus_id) -> tuple:
         """A worker left or died: reschedule its tasks, recompute results only it held."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(address, "worker address")
         self._begin(stimulus_id)
         ws: WorkerState = self.workers.pop(address, None)
         if ws is None:
@@ -530,8 +723,9 @@ class SchedulerState:
             ts.suspicious += 1
             if ts.suspicious >= self.allowed_failures:
                 ts.error = (None, None,
-                            f"KilledWorker: {ts.key!r} was running on {ts.suspicious} workers "
-                            f"that died, the last one {address}", ts.key)
+                            f"KilledWorker: {bounded_repr(ts.key)} was running on "
+                            f"{ts.suspicious} workers that died, the last one {address}",
+                            ts.key)
                 self._recs[ts] = ERRED
             else:
                 self._recs[ts] = WAITING
@@ -546,20 +740,27 @@ class SchedulerState:
             self._transition(ts, RELEASED)
         return self._end()
 
-    def update_graph(self, client: str, tasks, keys, stimulus_id: str) -> tuple:
+    def update_graph(self, client, tasks, keys, stimulus_id) -> tuple:
         """A client submits tasks and names the keys it wants.
 
-        Known keys are reused. A bad graph changes nothing: the client is sent one
-        ``graph-refused`` message saying why.
+        Known keys are reused. A bad graph changes nothing (the client is not even
+        registered): the client is sent one ``graph-refused`` message saying why.
         """
-        self._begin(stimulus_id)
-        cs: ClientState = self._client(client)
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
+        cs: ClientState
         try:
             new = self._check_graph(tasks, keys)
         except GraphError as exc:
+            self._begin(stimulus_id)
+            cs = self.clients.get(client)
+            if cs is None:
+                cs = ClientState(client)  # to address the reply; not registered
             wanted = list(keys) if isinstance(keys, _SEQUENCE) else []
             self._send_client(cs, {"op": "graph-refused", "error": str(exc), "keys": wanted})
             return self._end()
+        self._begin(stimulus_id)
+        cs = self._client(client)
         created = self._create_tasks(new)
         ts: TaskState
         wanted = [self.tasks[key] for key in keys]
@@ -571,12 +772,34 @@ class SchedulerState:
                 self._recs[ts] = FORGOTTEN
         return self._end()
 
-    def update_data(self, client: str, who_has: dict, nbytes: dict, stimulus_id: str) -> tuple:
-        """A client placed data on workers itself (scatter): those keys are in memory."""
-        self._begin(stimulus_id)
-        cs: ClientState = self._client(client)
+    def update_data(self, client, who_has, nbytes, stimulus_id) -> tuple:
+        """A client placed data on workers itself (scatter): those keys are in memory.
+
+        ``who_has``: ``{key: [address, ...]}``; ``nbytes``: ``{key: int}``.
+        """
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
+        if type(who_has) is not dict:
+            raise InvalidStimulus(f"update_data: who_has must be a dict, not "
+                                  f"{bounded_repr(who_has)}")
+        if type(nbytes) is not dict:
+            raise InvalidStimulus(f"update_data: nbytes must be a dict, not "
+                                  f"{bounded_repr(nbytes)}")
         ts: TaskState
         ws: WorkerState
+        cs: ClientState
+        for key, addresses in who_has.items():
+            _check_key(key, "update_data")
+            if not isinstance(addresses, _SEQUENCE) \
+                    or not all([isinstance(a, str) for a in addresses]):
+                raise InvalidStimulus(f"update_data: the holders of {bounded_repr(key)} must "
+                                      f"be a list of addresses, not {bounded_repr(addresses)}")
+        for key, size in nbytes.items():
+            if type(size) is not int or not 0 <= size <= _MAX_NBYTES:
+                raise InvalidStimulus(f"update_data: nbytes of {bounded_repr(key)} must be an "
+                                      f"int from 0 to 2**62, not {bounded_repr(size)}")
+        self._begin(stimulus_id)
+        cs = self._client(client)
         lost = []
         for key, addresses in who_has.items():
             holders = [self.workers[a] for a in addresses if a in self.workers]
@@ -601,51 +824,100 @@ class SchedulerState:
             self._send_client(cs, {"op": "cancelled-keys", "keys": lost})
         return self._end()
 
-    def task_finished(self, worker: str, reports, stimulus_id: str) -> tuple:
+    def task_finished(self, worker, reports, stimulus_id) -> tuple:
         """A worker finished tasks: each report is
         ``{"key", "nbytes", "type", "start", "stop", "data"?}`` (data: a small result,
-        forwarded to the clients that want it, never kept)."""
-        parsed = [_parse_finished(r) for r in reports]
+        forwarded to the clients that want it, never kept).
+
+        A report with an impossible field (nbytes not an int in 0..2**62, type not a
+        str, data not bytes) errs that one task if it is processing there; a report that
+        names no usable key is ignored.
+        """
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        if not isinstance(reports, _SEQUENCE):
+            raise InvalidStimulus(f"task_finished: reports must be a list, not "
+                                  f"{bounded_repr(reports)}")
         self._begin(stimulus_id)
         ws: WorkerState = self.workers.get(worker)
         if ws is None:
             return self._end()  # a worker already removed: its results are gone
         ts: TaskState
-        for key, nbytes, type_name, duration, data in parsed:
-            ts = self.tasks.get(key)
+        for report in reports:
+            if type(report) is not dict or "key" not in report:
+                continue
+            key = report["key"]
+            try:
+                ts = self.tasks.get(key)
+            except TypeError:
+                continue  # unhashable: it names no task
+            nbytes = report.get("nbytes", 0)
+            type_name = report.get("type")
+            data = report.get("data")
+            problem = _finished_problem(nbytes, type_name, data)
             if ts is None:
                 self._free_key(ws, key)
             elif ts.state == PROCESSING and ts.processing_on is ws:
-                self._processing_memory(ts, ws, nbytes, type_name, duration, data)
+                if problem is None:
+                    self._processing_memory(ts, ws, nbytes, type_name,
+                                            _reported_duration(report), data)
+                else:
+                    self._free_key(ws, key)
+                    ts.error = (None, None, f"invalid task-finished report from {worker} "
+                                            f"for {bounded_repr(key)}: {problem}", ts.key)
+                    self._transition(ts, ERRED)
             elif ts.state == MEMORY:
-                self._add_holder(ts, ws, nbytes)  # computed twice: keep the replica
+                if problem is None:
+                    self._add_holder(ts, ws, nbytes)  # computed twice: keep the replica
             else:
                 self._free_key(ws, key)  # a stale result: the task moved on
         return self._end()
 
-    def task_erred(self, worker: str, reports, stimulus_id: str) -> tuple:
+    def task_erred(self, worker, reports, stimulus_id) -> tuple:
         """Tasks raised on a worker: each report is
-        ``{"key", "exception", "traceback", "text"}`` (bytes, bytes, str)."""
-        parsed = [_parse_erred(r) for r in reports]
+        ``{"key", "exception", "traceback", "text"}`` (bytes, bytes, str; bytes may be
+        None). Only reports of tasks processing on that worker count; one with a field
+        of the wrong type errs its task with a text that says so (no retry)."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        if not isinstance(reports, _SEQUENCE):
+            raise InvalidStimulus(f"task_erred: reports must be a list, not "
+                                  f"{bounded_repr(reports)}")
         self._begin(stimulus_id)
         ws: WorkerState = self.workers.get(worker)
         if ws is None:
             return self._end()
         ts: TaskState
-        for key, exception, traceback, text in parsed:
-            ts = self.tasks.get(key)
+        for report in reports:
+            if type(report) is not dict or "key" not in report:
+                continue
+            key = report["key"]
+            try:
+                ts = self.tasks.get(key)
+            except TypeError:
+                continue
             if ts is None or ts.state != PROCESSING or ts.processing_on is not ws:
                 continue
-            if ts.retries > 0:
+            problem = _erred_problem(report)
+            if problem is not None:
+                ts.error = (None, None, f"invalid task-erred report from {worker} for "
+                                        f"{bounded_repr(key)}: {problem}", ts.key)
+                self._recs[ts] = ERRED
+            elif ts.retries > 0:
                 ts.retries -= 1
                 self._recs[ts] = WAITING
             else:
-                ts.error = (exception, traceback, text, ts.key)
+                ts.error = (report.get("exception"), report.get("traceback"),
+                            report.get("text") or "", ts.key)
                 self._recs[ts] = ERRED
         return self._end()
 
-    def client_releases_keys(self, client: str, keys, stimulus_id: str) -> tuple:
-        """A client no longer wants these keys (its futures were released)."""
+    def client_releases_keys(self, client, keys, stimulus_id) -> tuple:
+        """A client no longer wants these keys (its futures were released). Keys it
+        does not want, and unknown clients, are no-ops."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
+        _check_keys(keys, "client_releases_keys")
         self._begin(stimulus_id)
         cs: ClientState = self.clients.get(client)
         ts: TaskState
@@ -656,8 +928,11 @@ class SchedulerState:
                     self._drop_want(ts, cs)
         return self._end()
 
-    def client_desires_keys(self, client: str, keys, stimulus_id: str) -> tuple:
+    def client_desires_keys(self, client, keys, stimulus_id) -> tuple:
         """A client wants keys that already exist (e.g. a future it was handed)."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
+        _check_keys(keys, "client_desires_keys")
         self._begin(stimulus_id)
         cs: ClientState = self._client(client)
         ts: TaskState
@@ -672,8 +947,13 @@ class SchedulerState:
             self._send_client(cs, {"op": "cancelled-keys", "keys": gone})
         return self._end()
 
-    def cancel(self, client: str, keys, stimulus_id: str, force: bool = False) -> tuple:
+    def cancel(self, client, keys, stimulus_id, force=False) -> tuple:
         """Stop wanting keys; with ``force`` for every client that wants them."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
+        _check_keys(keys, "cancel")
+        if type(force) is not bool:
+            raise InvalidStimulus(f"cancel: force must be a bool, not {bounded_repr(force)}")
         self._begin(stimulus_id)
         cs: ClientState = self._client(client)
         ts: TaskState
@@ -695,8 +975,11 @@ class SchedulerState:
             self._send_client(other, {"op": "cancelled-keys", "keys": cancelled})
         return self._end()
 
-    def retry(self, client: str, keys, stimulus_id: str) -> tuple:
+    def retry(self, client, keys, stimulus_id) -> tuple:
         """Run erred tasks again, with the erred tasks they depend on."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(client, "client")
+        _check_keys(keys, "retry")
         self._begin(stimulus_id)
         ts: TaskState
         dep: TaskState
@@ -714,8 +997,12 @@ class SchedulerState:
                 self._recs[ts] = WAITING
         return self._end()
 
-    def missing_data(self, worker: str, key, errant_worker: str, stimulus_id: str) -> tuple:
+    def missing_data(self, worker, key, errant_worker, stimulus_id) -> tuple:
         """``worker`` could not fetch ``key`` from ``errant_worker``."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        _check_str(errant_worker, "errant_worker")
+        _check_key(key, "missing_data")
         self._begin(stimulus_id)
         ts: TaskState = self.tasks.get(key)
         ws: WorkerState = self.workers.get(errant_worker)
@@ -726,8 +1013,12 @@ class SchedulerState:
                 self._transition(ts, RELEASED)
         return self._end()
 
-    def reschedule(self, worker: str, key, stimulus_id: str) -> tuple:
-        """A worker gives a task back (e.g. it could not fetch a dependency)."""
+    def reschedule(self, worker, key, stimulus_id) -> tuple:
+        """A worker gives a task back (e.g. it could not fetch a dependency). Ignored
+        unless the task is processing on that worker."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        _check_key(key, "reschedule")
         self._begin(stimulus_id)
         ts: TaskState = self.tasks.get(key)
         if ts is not None and ts.state == PROCESSING and ts.processing_on is not None \
@@ -738,7 +1029,10 @@ class SchedulerState:
     # ------------------------------------------------------------------ queries
 
     def who_has(self, keys) -> dict:
-        """``{key: [worker address, ...]}`` for the given keys that are in memory."""
+        """``{key: [worker address, ...]}`` for the given keys that are in memory.
+
+        ``keys``: a list or tuple of hashable keys, or InvalidStimulus."""
+        _check_keys(keys, "who_has")
         out = {}
         ts: TaskState
         for key in keys:
@@ -1427,9 +1721,9 @@ class SchedulerState:
     def _check_graph(self, tasks, keys) -> list:
         """Check a submitted graph whole; return its new entries, dependencies first."""
         if not isinstance(tasks, _SEQUENCE):
-            raise GraphError("'tasks' must be a list of task dicts")
+            raise GraphError(f"'tasks' must be a list of task dicts, not {bounded_repr(tasks)}")
         if not isinstance(keys, _SEQUENCE):
-            raise GraphError("'keys' must be a list of keys")
+            raise GraphError(f"'keys' must be a list of keys, not {bounded_repr(keys)}")
         known = self.tasks
         position = {}
         entries = []
@@ -1439,7 +1733,7 @@ class SchedulerState:
             if key in known:
                 continue
             if key in position:
-                raise GraphError(f"key {key!r} appears twice in the graph")
+                raise GraphError(f"key {bounded_repr(key)} appears twice in the graph")
             _check_new_task(key, entry)
             position[key] = len(entries)
             entries.append(entry)
@@ -1449,25 +1743,23 @@ class SchedulerState:
             if not deps:
                 continue
             for dep in deps:
-                try:
-                    hash(dep)
-                except TypeError:
-                    raise GraphError(f"task {entry['key']!r}: dependency {dep!r} is not "
-                                     "hashable") from None
+                problem = _key_problem(dep)
+                if problem is not None:
+                    raise GraphError(f"task {bounded_repr(entry['key'])}: dependency {problem}")
                 if dep in known:
                     continue
                 j = position.get(dep)
                 if j is None:
-                    raise GraphError(f"task {entry['key']!r} depends on unknown key {dep!r}")
+                    raise GraphError(f"task {bounded_repr(entry['key'])} depends on unknown "
+                                     f"key {bounded_repr(dep)}")
                 if j >= i:
                     in_order = False
         for key in keys:
-            try:
-                hash(key)
-            except TypeError:
-                raise GraphError(f"wanted key {key!r} is not hashable") from None
+            problem = _key_problem(key)
+            if problem is not None:
+                raise GraphError(f"wanted {problem}")
             if key not in known and key not in position:
-                raise GraphError(f"wanted key {key!r} is not in the graph")
+                raise GraphError(f"wanted key {bounded_repr(key)} is not in the graph")
         return entries if in_order else _topological(entries, position, known)
 
     @cython.cfunc
@@ -1648,40 +1940,6 @@ def _check(condition, message) -> None:
         raise InvariantError(message)
 
 
-def _parse_finished(report) -> tuple:
-    """``(key, nbytes, type, duration, data)`` of a finished-task report."""
-    if type(report) is not dict:
-        raise TypeError(f"a task-finished report must be a dict, not {type(report).__name__}")
-    key = report["key"]
-    hash(key)
-    nbytes = report.get("nbytes", 0)
-    if type(nbytes) is not int:
-        raise TypeError(f"nbytes of {key!r} must be an int, not {nbytes!r}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes of {key!r} must not be negative, not {nbytes!r}")
-    type_name = report.get("type")
-    if type_name is not None and not isinstance(type_name, str):
-        raise TypeError(f"type of {key!r} must be a str, not {type_name!r}")
-    start = report.get("start")
-    stop = report.get("stop")
-    duration = -1.0
-    if start is not None and stop is not None:
-        duration = float(stop) - float(start)
-    return (key, nbytes, type_name, duration, report.get("data"))
-
-
-def _parse_erred(report) -> tuple:
-    """``(key, exception, traceback, text)`` of an erred-task report."""
-    if type(report) is not dict:
-        raise TypeError(f"a task-erred report must be a dict, not {type(report).__name__}")
-    key = report["key"]
-    hash(key)
-    text = report.get("text") or ""
-    if not isinstance(text, str):
-        raise TypeError(f"text of {key!r} must be a str")
-    return (key, report.get("exception"), report.get("traceback"), text)
-
-
 def _topological(entries: list, position: dict, known: dict) -> list:
     """Order new task entries so dependencies come first; refuse a cycle."""
     n = len(entries)
@@ -1704,7 +1962,7 @@ def _topological(entries: list, position: dict, known: dict) -> list:
                 ready.append(j)
     if len(ordered) < n:
         stuck = [entries[i]["key"] for i in range(n) if pending[i]][:5]
-        raise GraphError(f"the graph has a cycle through {stuck!r}")
+        raise GraphError(f"the graph has a cycle through {bounded_repr(stuck)}")
     return ordered
 
 

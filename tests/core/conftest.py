@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
-from distributed_core import SchedulerState
+from distributed_core import InvalidStimulus, SchedulerState
 
 # Test modules import the helpers below with `from core_sim import ...`. This file's own
 # module name depends on pytest's import mode (prepend / importlib), so give it one name.
@@ -91,6 +92,58 @@ def freed(worker_msgs) -> dict:
 def states(state) -> dict:
     """``{key: state}`` of every task the scheduler knows."""
     return {key: ts.state for key, ts in state.tasks.items()}
+
+
+def _keys(tasks) -> list:
+    return sorted((ts.key for ts in tasks), key=repr)
+
+
+def snapshot(state) -> dict:
+    """Everything a stimulus can change, as plain data: a refused stimulus must leave it
+    exactly as it was (``snapshot(state)`` before and after compare equal)."""
+    def addresses(workers):
+        return None if workers is None else [ws.address for ws in workers]
+
+    tasks = {}
+    for key, ts in state.tasks.items():
+        tasks[key] = (
+            ts.state, ts.run_spec, ts.priority, ts.retries, ts.suspicious, ts.nbytes,
+            ts.type_name, ts.error, ts.n_waiting_on, ts.n_waiters, ts.estimate,
+            [dep.key for dep in ts.dependencies],
+            None if ts.dependents is None else _keys(ts.dependents),
+            None if ts.who_wants is None else [cs.client_id for cs in ts.who_wants],
+            addresses(ts.who_has),
+            None if ts.processing_on is None else ts.processing_on.address,
+            None if ts.options is None else (ts.options.workers, ts.options.resources,
+                                              ts.options.loose, ts.options.annotations))
+    return {
+        "tasks": tasks,
+        "workers": {address: (ws.name, ws.nthreads, ws.slots, ws.resources, ws.status,
+                              _keys(ws.processing), _keys(ws.has_what), ws.nbytes,
+                              ws.occupancy)
+                    for address, ws in state.workers.items()},
+        "clients": {client: _keys(cs.wants_what) for client, cs in state.clients.items()},
+        "idle": list(state.idle),
+        "queued": (state.n_queued, [entry[:4] + (entry[4].key,) for entry in state.queued]),
+        "unrunnable": [ts.key for ts in state.unrunnable],
+        "prefixes": {name: (p.duration_average, p.n_durations)
+                     for name, p in state.prefixes.items()},
+        "counters": (state.transition_counter, state.generation, state.queue_seq),
+        "log": state.transition_log,
+        "pending": ({ts.key: finish for ts, finish in state._recs.items()},
+                    state._client_msgs, state._worker_msgs, state._stimulus_id),
+    }
+
+
+def assert_refused(state, call, exception=None, match=None):
+    """``call()`` raises ``exception`` (InvalidStimulus by default) and leaves ``state``
+    exactly as it was, still valid. Returns the exception."""
+    before = snapshot(state)
+    with pytest.raises(exception or InvalidStimulus, match=match) as info:
+        call()
+    assert snapshot(state) == before
+    state.validate_state()
+    return info.value
 
 
 class Sim:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import pytest
-from core_sim import Sim, compute, free, states, task
+from core_sim import Sim, compute, free, snapshot, states, task
+
+from distributed_core import InvalidStimulus
 
 INF = float("inf")
 
@@ -137,23 +139,78 @@ def test_report_from_a_removed_worker_is_ignored():
     assert states(sim.state) == {"x": "queued"}
 
 
-def test_malformed_finished_report_changes_nothing():
+def test_report_with_an_impossible_field_errs_that_task_only():
+    bad_fields = [{"nbytes": "8"}, {"nbytes": -1}, {"nbytes": 2 ** 62 + 1}, {"nbytes": 1.5},
+                  {"nbytes": True}, {"type": 5}, {"data": "not bytes"}]
+    for fields in bad_fields:
+        sim = Sim(worker_saturation=INF)
+        sim.add_worker("A", 2)
+        sim.submit([task("x"), task("y")], ["x", "y"])
+        client_msgs, worker_msgs = sim.state.task_finished(
+            "A", [{"key": "x", "nbytes": 8}, {"key": "y", "nbytes": 8, **fields}], "bad")
+        [told_x, told_y] = client_msgs["c"]
+        assert told_x == in_memory("x", None)
+        assert (told_y["op"], told_y["key"], told_y["exception"], told_y["blame"]) == (
+            "task-erred", "y", None, "y")
+        assert "invalid task-finished report from A for 'y'" in told_y["text"], fields
+        assert worker_msgs == {"A": [free(["y"], "bad")]}
+        assert states(sim.state) == {"x": "memory", "y": "erred"}
+        assert sim.state.tasks["y"].error == (None, None, told_y["text"], "y")
+
+
+def test_message_about_an_impossible_field_quotes_a_bounded_part_of_it():
     sim = Sim()
     sim.add_worker("A", 1)
     sim.submit([task("x")], ["x"])
-    with pytest.raises(TypeError):
-        sim.state.task_finished("A", [{"key": "x", "nbytes": "8"}], "bad")
+    client_msgs, _ = sim.state.task_finished("A", [{"key": "x", "nbytes": "9" * 10_000}], "f")
+    text = client_msgs["c"][0]["text"]
+    assert "nbytes" in text and len(text) < 400
+
+
+def test_reports_that_name_no_usable_key_are_ignored():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"])
+    reports = ["not a dict", None, {"nbytes": 1}, {"key": ["unhashable"], "nbytes": 1},
+               {"key": {"a": 1}}, {"key": "x", "nbytes": 1}]
+    assert sim.state.task_finished("A", reports, "f") == ({"c": [in_memory("x", None)]}, {})
+    assert sim.state.task_erred("A", reports[:5], "e") == ({}, {})
+
+
+def test_bad_report_for_a_task_not_processing_there_is_a_stale_report():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.add_worker("B", 1)
+    sim.submit([task("x", workers=["A"])], ["x"])
+    assert sim.state.task_finished("B", [{"key": "x", "nbytes": -5}], "bad") == (
+        {}, {"B": [free(["x"], "bad")]})
+    assert sim.state.task_finished("B", [{"key": "nope", "nbytes": -5}], "bad2") == (
+        {}, {"B": [free(["nope"], "bad2")]})
     assert states(sim.state) == {"x": "processing"}
 
 
-def test_finished_report_with_a_negative_size_changes_nothing():
+def test_implausible_run_times_are_not_learned():
+    sim = Sim(worker_saturation=INF)
+    sim.add_worker("A", 4)
+    sim.submit([task(f"inc-{i}") for i in range(4)], [f"inc-{i}" for i in range(4)])
+    timings = [{"start": 0.0, "stop": float("inf")}, {"start": "0", "stop": 1.0},
+               {"start": 5.0, "stop": 1.0}, {"start": 0, "stop": 2 ** 80}]
+    reports = [{"key": f"inc-{i}", "nbytes": 1, **t} for i, t in enumerate(timings)]
+    sim.state.task_finished("A", reports, "f")
+    assert states(sim.state) == {f"inc-{i}": "memory" for i in range(4)}
+    assert sim.state.prefixes["inc"].n_durations == 0
+
+
+def test_finished_reports_that_are_not_a_list_are_refused():
     sim = Sim()
     sim.add_worker("A", 1)
-    sim.submit([task("x"), task("y")], ["x", "y"])
-    with pytest.raises(ValueError, match="negative"):
-        sim.state.task_finished("A", [{"key": "x", "nbytes": 8},
-                                      {"key": "y", "nbytes": -1}], "bad")
-    assert states(sim.state) == {"x": "processing", "y": "processing"}
+    sim.submit([task("x")], ["x"])
+    before = snapshot(sim.state)
+    with pytest.raises(InvalidStimulus, match="reports must be a list"):
+        sim.state.task_finished("A", {"key": "x"}, "bad")
+    with pytest.raises(InvalidStimulus, match="reports must be a list"):
+        sim.state.task_erred("A", "x", "bad")
+    assert snapshot(sim.state) == before
 
 
 # -- task_erred ----------------------------------------------------------------------------
@@ -225,6 +282,20 @@ def test_erred_report_for_a_task_not_processing_on_that_worker_is_ignored():
     sim.submit([task("t", workers=["A"])], ["t"])
     assert sim.fail("t", worker="B") == ({}, {})
     assert states(sim.state) == {"t": "processing"}
+
+
+def test_erred_report_with_fields_of_the_wrong_type_errs_the_task_without_retry():
+    for fields in [{"exception": "str, not bytes"}, {"traceback": 5}, {"text": b"bytes"}]:
+        sim = Sim()
+        sim.add_worker("A", 1)
+        sim.submit([task("t", retries=3)], ["t"])
+        report = {"key": "t", "exception": b"e", "traceback": b"t", "text": "boom", **fields}
+        client_msgs, _ = sim.state.task_erred("A", [report], "e")
+        [msg] = client_msgs["c"]
+        assert (msg["key"], msg["exception"], msg["traceback"], msg["blame"]) == (
+            "t", None, None, "t")
+        assert msg["text"].startswith("invalid task-erred report from A for 't': "), fields
+        assert states(sim.state) == {"t": "erred"}
 
 
 def test_retried_task_keeps_its_inputs_in_memory():

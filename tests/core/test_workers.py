@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from core_sim import Sim, compute, computed, free, freed, ops, states, task
+from core_sim import Sim, assert_refused, compute, computed, free, freed, ops, states, task
 
 
 def two_workers(**options) -> Sim:
@@ -18,11 +18,44 @@ def two_workers(**options) -> Sim:
 def test_adding_a_worker_twice_or_with_no_threads_is_refused():
     sim = Sim()
     sim.add_worker("A", 1)
-    with pytest.raises(ValueError, match="already registered"):
-        sim.state.add_worker("A", 1, "again")
-    with pytest.raises(ValueError, match="nthreads"):
-        sim.state.add_worker("B", 0, "none")
+    assert_refused(sim.state, lambda: sim.state.add_worker("A", 1, "again"),
+                   match="already registered")
+    assert_refused(sim.state, lambda: sim.state.add_worker("B", 0, "none"), match="nthreads")
     assert list(sim.state.workers) == ["A"]
+
+
+def test_worker_with_an_impossible_thread_count_is_refused():
+    sim = Sim()
+    sim.submit([task("t")], ["t"])
+    for nthreads in (2 ** 63, 2 ** 31, -1, 1.0, 2.5, "4", None, True):
+        assert_refused(sim.state, lambda: sim.state.add_worker("A", nthreads, "join"),
+                       match="nthreads must be an int from 1 to 2147483647")
+    sim.add_worker("A", 2 ** 31 - 1)
+    assert states(sim.state) == {"t": "processing"}
+
+
+def test_worker_with_bad_resources_or_name_is_refused():
+    sim = Sim()
+    bad_resources = [[("GPU", 1)], {"GPU": -1}, {"GPU": float("inf")}, {"GPU": float("nan")},
+                     {"GPU": "1"}, {1: 1}, {"GPU": 2 ** 64}, {"GPU": True}]
+    for resources in bad_resources:
+        assert_refused(sim.state, lambda: sim.state.add_worker("A", 1, "join",
+                                                               resources=resources),
+                       match="resources")
+    for name in (1.5, b"bytes", ["A"], 2 ** 64):
+        assert_refused(sim.state, lambda: sim.state.add_worker("A", 1, "join", name=name),
+                       match="name")
+    for address in (None, 5, b"A"):
+        assert_refused(sim.state, lambda: sim.state.add_worker(address, 1, "join"),
+                       match="worker address must be a str")
+
+
+def test_worker_resources_are_copied():
+    sim = Sim()
+    resources = {"GPU": 1}
+    sim.add_worker("A", 1, resources=resources)
+    resources["GPU"] = 100
+    assert sim.state.workers["A"].resources == {"GPU": 1}
 
 
 def test_worker_saturation_must_be_positive():
@@ -264,6 +297,24 @@ def test_dependent_of_lost_scattered_data_is_erred_too():
     client_msgs, _ = sim.remove_worker("A")
     assert sorted((m["key"], m["blame"]) for m in client_msgs["c"]) == [("x", "x"), ("y", "x")]
     assert all("lost data" in m["text"] for m in client_msgs["c"])
+
+
+def test_scatter_with_one_malformed_entry_changes_nothing():
+    sim = two_workers()
+    sim.submit([task("y", workers=["A"])], ["y"])
+    cases = [
+        ({"x": ["A"], "z": "A"}, {}),  # holders not a list
+        ({"x": ["A"], "z": ["A", 5]}, {}),  # an address that is not a str
+        ({"x": ["A"], "z": ["B"]}, {"x": 1, "z": "8"}),  # nbytes not an int
+        ({"x": ["A"], "z": ["B"]}, {"x": 1, "z": -1}),
+        ({"x": ["A"], "z": ["B"]}, {"x": 2 ** 62 + 1}),
+        ({"x": ["A"], float("nan"): ["B"]}, {}),
+        ([("x", ["A"])], {}),  # not a dict
+        ({"x": ["A"]}, [("x", 1)]),
+    ]
+    for who_has, nbytes in cases:
+        assert_refused(sim.state, lambda: sim.state.update_data("c", who_has, nbytes, "s"))
+    assert states(sim.state) == {"y": "processing"}
 
 
 def test_scatter_to_unknown_workers_is_cancelled():
