@@ -48,12 +48,13 @@ SchedulerState = _core.SchedulerState
 InvalidTransition = _core.InvalidTransition
 InvariantError = _core.InvariantError
 InvalidStimulus = _core.InvalidStimulus
+Unauthorized = _core.Unauthorized
 GraphError = _core.GraphError
 bounded_repr = _core.bounded_repr
 TASK_STATES = _core.TASK_STATES
 
 __all__ = [
     "COMPILED", "CORE_FILE", "TaskState", "WorkerState", "ClientState", "TaskPrefix", "SchedulerState",
-    "InvalidTransition", "InvariantError", "InvalidStimulus", "GraphError",
+    "InvalidTransition", "InvariantError", "InvalidStimulus", "Unauthorized", "GraphError",
     "bounded_repr", "TASK_STATES", "__version__",
 ]

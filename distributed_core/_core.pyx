@@ -10,10 +10,12 @@ Rules of this module (everything that decides a task's state lives in this file)
   ``remove_worker``, ...) takes plain data and a stimulus id, changes the state only
   through transitions, and returns ``(client_msgs, worker_msgs)``: dicts mapping a client
   id / worker address to a list of msgpack-ready message dicts.
-- Stimuli are transactions. A stimulus checks all of its input before it changes
-  anything; refused input raises ``InvalidStimulus`` and leaves the state exactly as it
-  was. One bad report in a worker's batch errs (or is ignored for) that one task, never
-  the batch. Any other exception is a bug.
+- Stimuli are transactions. A stimulus checks all of its input, and the sender's right to
+  say it, before it changes anything; refused input raises ``InvalidStimulus`` and leaves
+  the state exactly as it was. Roles are enforced here: a worker speaks only about tasks
+  processing on it and inputs it was told to fetch, a client only about keys it wants
+  (``Unauthorized``). One bad report in a worker's batch errs (or is ignored for) that
+  one task, never the batch. Any other exception is a bug.
 - One table, one engine. ``_TRANSITIONS[start][finish]`` names the function for each
   allowed move. A transition changes one task and may *recommend* states for others; the
   engine applies recommendations until none are left. A move with no entry goes through
@@ -82,6 +84,11 @@ class InvariantError(AssertionError):
 
 class InvalidStimulus(ValueError):
     """A stimulus refused its input before changing anything: the state is as it was."""
+
+
+class Unauthorized(InvalidStimulus):
+    """A peer spoke about tasks that are not its business (a worker about a transfer it
+    was not given, a client about keys it does not want); nothing was changed."""
 
 
 class GraphError(InvalidStimulus):
@@ -658,8 +665,9 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ stimuli
     #
-    # Each stimulus first checks all of its input and raises InvalidStimulus before
-    # _begin, so a refused call changes nothing. Only then does it change the state.
+    # Each stimulus first checks all of its input and the sender's right to say it, and
+    # raises InvalidStimulus (Unauthorized) before _begin, so a refused call changes
+    # nothing. Only then does it change the state.
 
     def add_client(self, client, stimulus_id) -> tuple:
         """A client connected."""
@@ -775,7 +783,8 @@ class SchedulerState:
     def update_data(self, client, who_has, nbytes, stimulus_id) -> tuple:
         """A client placed data on workers itself (scatter): those keys are in memory.
 
-        ``who_has``: ``{key: [address, ...]}``; ``nbytes``: ``{key: int}``.
+        ``who_has``: ``{key: [address, ...]}``; ``nbytes``: ``{key: int}``. A key that
+        already exists may only be overwritten by a client that wants it (Unauthorized).
         """
         _check_str(stimulus_id, "stimulus_id")
         _check_str(client, "client")
@@ -787,17 +796,24 @@ class SchedulerState:
                                   f"{bounded_repr(nbytes)}")
         ts: TaskState
         ws: WorkerState
-        cs: ClientState
+        cs: ClientState = self.clients.get(client)
+        refused = []
         for key, addresses in who_has.items():
             _check_key(key, "update_data")
             if not isinstance(addresses, _SEQUENCE) \
                     or not all([isinstance(a, str) for a in addresses]):
                 raise InvalidStimulus(f"update_data: the holders of {bounded_repr(key)} must "
                                       f"be a list of addresses, not {bounded_repr(addresses)}")
+            ts = self.tasks.get(key)
+            if ts is not None and not _wants(ts, cs):
+                refused.append(key)
         for key, size in nbytes.items():
             if type(size) is not int or not 0 <= size <= _MAX_NBYTES:
                 raise InvalidStimulus(f"update_data: nbytes of {bounded_repr(key)} must be an "
                                       f"int from 0 to 2**62, not {bounded_repr(size)}")
+        if refused:
+            raise Unauthorized(f"client {bounded_repr(client)} may not overwrite keys it "
+                               f"does not want: {_some(refused)}")
         self._begin(stimulus_id)
         cs = self._client(client)
         lost = []
@@ -829,9 +845,11 @@ class SchedulerState:
         ``{"key", "nbytes", "type", "start", "stop", "data"?}`` (data: a small result,
         forwarded to the clients that want it, never kept).
 
-        A report with an impossible field (nbytes not an int in 0..2**62, type not a
-        str, data not bytes) errs that one task if it is processing there; a report that
-        names no usable key is ignored.
+        Only a report of a task processing on that worker counts. Any other report is
+        stale or not the worker's business: the worker is told to free the key (unless
+        it is a known holder of that result). A report with an impossible field (nbytes
+        not an int in 0..2**62, type not a str, data not bytes) errs that one task if
+        it is processing there; a report that names no usable key is ignored.
         """
         _check_str(stimulus_id, "stimulus_id")
         _check_str(worker, "worker")
@@ -866,11 +884,10 @@ class SchedulerState:
                     ts.error = (None, None, f"invalid task-finished report from {worker} "
                                             f"for {bounded_repr(key)}: {problem}", ts.key)
                     self._transition(ts, ERRED)
-            elif ts.state == MEMORY:
-                if problem is None:
-                    self._add_holder(ts, ws, nbytes)  # computed twice: keep the replica
-            else:
-                self._free_key(ws, key)  # a stale result: the task moved on
+            elif ts.who_has is None or ws not in ts.who_has:
+                # A stale result (the task moved on), or one it was never asked for: a
+                # worker names only results it was told to compute.
+                self._free_key(ws, key)
         return self._end()
 
     def task_erred(self, worker, reports, stimulus_id) -> tuple:
@@ -948,12 +965,16 @@ class SchedulerState:
         return self._end()
 
     def cancel(self, client, keys, stimulus_id, force=False) -> tuple:
-        """Stop wanting keys; with ``force`` for every client that wants them."""
+        """Stop wanting keys; with ``force`` for every client that wants them.
+
+        Only keys the client wants (Unauthorized otherwise, nothing changed); unknown
+        keys are reported cancelled."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(client, "client")
         _check_keys(keys, "cancel")
         if type(force) is not bool:
             raise InvalidStimulus(f"cancel: force must be a bool, not {bounded_repr(force)}")
+        self._check_wanted(client, keys, "cancel")
         self._begin(stimulus_id)
         cs: ClientState = self._client(client)
         ts: TaskState
@@ -976,10 +997,13 @@ class SchedulerState:
         return self._end()
 
     def retry(self, client, keys, stimulus_id) -> tuple:
-        """Run erred tasks again, with the erred tasks they depend on."""
+        """Run erred tasks again, with the erred tasks they depend on.
+
+        Only keys the client wants (Unauthorized otherwise); unknown keys are ignored."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(client, "client")
         _check_keys(keys, "retry")
+        self._check_wanted(client, keys, "retry")
         self._begin(stimulus_id)
         ts: TaskState
         dep: TaskState
@@ -998,15 +1022,21 @@ class SchedulerState:
         return self._end()
 
     def missing_data(self, worker, key, errant_worker, stimulus_id) -> tuple:
-        """``worker`` could not fetch ``key`` from ``errant_worker``."""
+        """``worker`` could not fetch ``key`` from ``errant_worker``.
+
+        Only a worker that runs a task needing ``key`` (it was told to fetch it) may
+        say so: anything else raises Unauthorized and changes nothing."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(worker, "worker")
         _check_str(errant_worker, "errant_worker")
         _check_key(key, "missing_data")
-        self._begin(stimulus_id)
         ts: TaskState = self.tasks.get(key)
+        if not self._fetches(self.workers.get(worker), ts):
+            raise Unauthorized(f"worker {bounded_repr(worker)} reported {bounded_repr(key)} "
+                               "missing but runs no task that needs it")
+        self._begin(stimulus_id)
         ws: WorkerState = self.workers.get(errant_worker)
-        if ts is not None and ts.state == MEMORY and ws is not None \
+        if ts.state == MEMORY and ws is not None \
                 and ts.who_has is not None and ws in ts.who_has:
             self._remove_holder(ts, ws)
             if ts.who_has is None:
@@ -1025,6 +1055,38 @@ class SchedulerState:
                 and ts.processing_on.address == worker:
             self._recs[ts] = WAITING
         return self._end()
+
+    # ------------------------------------------------------------------ authorization
+
+    @cython.cfunc
+    def _check_wanted(self, client, keys, what: str) -> None:
+        """Unauthorized unless ``client`` wants every key of ``keys`` that exists."""
+        cs: ClientState = self.clients.get(client)
+        ts: TaskState
+        refused = []
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is not None and not _wants(ts, cs):
+                refused.append(key)
+        if refused:
+            raise Unauthorized(f"{what}: client {bounded_repr(client)} does not want "
+                               f"{_some(refused)}")
+
+    @cython.cfunc
+    def _fetches(self, ws: Optional[WorkerState], ts: Optional[TaskState]) -> cython.bint:
+        """Whether ``ws`` runs a task that needs the result of ``ts``."""
+        dts: TaskState
+        if ws is None or ts is None or ts.dependents is None:
+            return False
+        if type(ts.dependents) is tuple or len(ts.dependents) <= len(ws.processing):
+            for dts in ts.dependents:
+                if dts.processing_on is ws:
+                    return True
+            return False
+        for dts in ws.processing:
+            if ts in dts.dependencies:
+                return True
+        return False
 
     # ------------------------------------------------------------------ queries
 
@@ -1929,6 +1991,19 @@ class SchedulerState:
 
 def _zero_clock() -> float:
     return 0.0
+
+
+@cython.cfunc
+def _wants(ts: TaskState, cs: Optional[ClientState]) -> cython.bint:
+    return cs is not None and ts.who_wants is not None and cs in ts.who_wants
+
+
+@cython.cfunc
+def _some(keys: list) -> str:
+    """A few of ``keys`` for an error message."""
+    if len(keys) <= 3:
+        return bounded_repr(keys)
+    return f"{bounded_repr(keys[:3])} and {len(keys) - 3} more"
 
 
 def _priority_of(ts: TaskState) -> tuple:

@@ -1,7 +1,9 @@
 """Clients letting go of keys, leaving, cancelling, retrying and wanting existing keys."""
 from __future__ import annotations
 
-from core_sim import Sim, compute, free, freed, states, task
+from core_sim import Sim, assert_refused, compute, free, freed, states, task
+
+from distributed_core import Unauthorized
 
 INF = float("inf")
 
@@ -135,6 +137,30 @@ def test_forced_cancel_drops_the_key_for_every_client():
     assert_nothing_left(sim)
 
 
+def test_cancel_of_a_key_the_client_does_not_want_is_unauthorized():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x"), task("y")], ["x", "y"], client="c1")
+    sim.submit([task("z")], ["z"], client="c2")
+    for force in (False, True):
+        error = assert_refused(
+            sim.state, lambda: sim.state.cancel("c2", ["z", "x", "ghost"], "cancel", force=force),
+            Unauthorized)
+        assert "'x'" in str(error) and "'z'" not in str(error)
+        assert_refused(sim.state, lambda: sim.state.cancel("stranger", ["x"], "cancel"),
+                       Unauthorized)
+    assert "stranger" not in sim.state.clients
+
+
+def test_unauthorized_message_names_a_few_of_the_keys():
+    sim = Sim()
+    sim.submit([task(f"k{i}") for i in range(50)], [f"k{i}" for i in range(50)], client="c1")
+    error = assert_refused(sim.state, lambda: sim.state.cancel(
+        "c2", [f"k{i}" for i in range(50)], "cancel"), Unauthorized)
+    assert "'k0', 'k1', 'k2'" in str(error) and "47 more" in str(error)
+    assert "'k3'" not in str(error)
+
+
 def test_cancel_of_an_unknown_key_is_reported_cancelled():
     sim = Sim()
     assert sim.state.cancel("c", ["ghost"], "cancel") == (
@@ -168,15 +194,26 @@ def test_retry_also_runs_the_erred_tasks_it_depends_on():
     assert states(sim.state) == {"a": "released", "b": "released", "c": "memory"}
 
 
-def test_retry_of_an_erred_key_nobody_wants_runs_nothing():
+def test_retry_of_an_erred_input_the_client_does_not_want_is_unauthorized():
     sim = Sim()
     sim.add_worker("A", 1)
     sim.submit([task("a"), task("b", "a")], ["b"])
     sim.fail("a")
     assert states(sim.state) == {"a": "erred", "b": "erred"}
     # client c holds a future for b, not a: a is only b's (erred) input
-    assert sim.record(sim.state.retry("c", ["a"], "again"))[1] == {}
-    assert states(sim.state)["b"] == "erred"
+    error = assert_refused(sim.state, lambda: sim.state.retry("c", ["a"], "again"),
+                           Unauthorized)
+    assert "'a'" in str(error)
+
+
+def test_retry_of_a_key_only_another_client_wants_is_unauthorized():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("t")], ["t"], client="c1")
+    sim.fail("t")
+    assert_refused(sim.state, lambda: sim.state.retry("c2", ["t"], "again"), Unauthorized)
+    assert_refused(sim.state, lambda: sim.state.retry("stranger", ["t", "ghost"], "again"),
+                   Unauthorized)
 
 
 def test_retry_of_a_task_that_did_not_err_does_nothing():

@@ -4,10 +4,11 @@ The machine submits random DAGs (up to ~200 tasks, dependencies on earlier tasks
 random retries and priorities, occasional worker and resource restrictions) and then
 interleaves: workers joining and leaving (1-4 alive), simulated workers finishing or
 failing tasks they were told to compute (in batches), late reports of tasks a worker
-was told to drop, lost data, rescheduling, retries, scatter, client 1 releasing keys and
-client 2 wanting overlapping keys. The state runs with validate=True, so every
-stimulus checks every invariant; the machine also checks after each step that the
-simulated workers hold and run exactly what the scheduler thinks they do.
+was told to drop, lost data (reported by a worker told to fetch it), rescheduling,
+retries, scatter, client 1 releasing keys and client 2 wanting overlapping keys. The
+state runs with validate=True, so every stimulus checks every invariant; the machine
+also checks after each step that the simulated workers hold and run exactly what the
+scheduler thinks they do.
 
 At the end (teardown) it adds workers until every restriction can be met and runs
 everything: every wanted key must be in memory or erred. Then both clients let go and
@@ -208,15 +209,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sim.record(self.state.reschedule(address, key, self.sim.sid("reschedule")))
             self.remember_told()
 
-    @rule(i=INDEX, j=INDEX, k=INDEX)
-    def worker_loses_data(self, i, j, k):
-        holding = sorted(a for a, d in self.sim.data.items() if d)
-        if holding:
-            address = pick(holding, i)
-            key = pick(sorted(self.sim.data[address], key=repr), j)
+    @rule(i=INDEX)
+    def worker_loses_data(self, i):
+        """A holder loses an input; a worker told to fetch it from there says so."""
+        fetches = sorted({(ws.address, dep.key, holder.address)
+                          for ws in self.state.workers.values() for ts in ws.processing
+                          for dep in ts.dependencies for holder in dep.who_has}, key=repr)
+        if fetches:
+            asking, key, address = pick(fetches, i)
             self.sim.data[address].discard(key)
             self.lost.add((key, address))
-            asking = pick(self.alive(), k)
             self.sim.record(self.state.missing_data(asking, key, address,
                                                     self.sim.sid("missing")))
             self.remember_told()
@@ -270,8 +272,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(i=INDEX)
     def client_retries_an_erred_key(self, i):
-        """Any erred key: one the client wants, or an erred input nobody wants."""
-        erred = sorted((k for k, ts in self.state.tasks.items() if ts.state == "erred"),
+        """An erred key the client wants (its erred inputs are retried with it)."""
+        erred = sorted((k for k in self.wanted("c1") if self.state.tasks[k].state == "erred"),
                        key=repr)
         if erred:
             self.sim.record(self.state.retry("c1", [pick(erred, i)], self.sim.sid("retry")))

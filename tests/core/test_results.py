@@ -118,15 +118,27 @@ def test_report_from_a_worker_the_task_is_not_processing_on_is_freed_there():
     assert states(sim.state) == {"x": "processing"}
 
 
-def test_second_report_of_a_result_in_memory_keeps_the_replica():
+def test_report_of_a_result_in_memory_from_another_worker_frees_it_there():
+    # A worker names only results it was told to compute: it cannot claim to hold a key.
     sim = Sim()
     sim.add_worker("A", 1)
     sim.add_worker("B", 1)
     sim.submit([task("x", workers=["A"])], ["x"])
     sim.finish("x", nbytes=8)
-    assert sim.finish("x", worker="B", nbytes=8) == ({}, {})
-    assert sim.state.who_has(["x"]) == {"x": ["A", "B"]}
-    assert sim.state.workers["B"].nbytes == 8
+    assert sim.finish("x", worker="B", nbytes=8, stimulus_id="claim") == (
+        {}, {"B": [free(["x"], "claim")]})
+    assert sim.state.who_has(["x"]) == {"x": ["A"]}
+    assert sim.state.workers["B"].nbytes == 0
+
+
+def test_repeated_report_from_the_worker_that_holds_the_result_changes_nothing():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"])
+    sim.finish("x", nbytes=8)
+    assert sim.finish("x", worker="A", nbytes=8) == ({}, {})
+    assert sim.state.who_has(["x"]) == {"x": ["A"]}
+    assert sim.state.workers["A"].nbytes == 8
 
 
 def test_report_from_a_removed_worker_is_ignored():

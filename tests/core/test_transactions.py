@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from core_sim import Sim, assert_refused, snapshot, task
 
-from distributed_core import GraphError, InvalidStimulus, bounded_repr
+from distributed_core import GraphError, InvalidStimulus, Unauthorized, bounded_repr
 
 UNHASHABLE = [["a", "list"], {"a": "dict"}, ("tuple", ["with", "a", "list"]), {1, 2}]
 NOT_KEY_LISTS = ["x", None, 5, {"x": 1}, {"x"}, b"keys"]
@@ -136,8 +136,9 @@ def test_refused_input_is_quoted_at_most_about_200_characters():
 # -- update_graph --------------------------------------------------------------------------
 
 
-def test_graph_error_is_an_invalid_stimulus():
+def test_graph_error_and_unauthorized_are_invalid_stimuli():
     assert issubclass(GraphError, InvalidStimulus)
+    assert issubclass(Unauthorized, InvalidStimulus)
     assert issubclass(InvalidStimulus, ValueError)
 
 

@@ -35,7 +35,8 @@ def load_source_core():
 
 def scenario(state_class) -> Sim:
     """Queuing, placement, batches, retries, errors, scatter, a dead worker, restrictions,
-    retry, cancel, lost data, reschedule and release, each at least once."""
+    retry, cancel, lost data, a bad report, a refused stimulus, reschedule and release,
+    each at least once."""
     sim = Sim(state_class=state_class, worker_saturation=1.0, allowed_failures=2)
     sim.state.add_client("c", "hello")
     sim.add_worker("A", 2)
@@ -64,12 +65,17 @@ def scenario(state_class) -> Sim:
     sim.run_all()
     sim.record(sim.state.retry("c", ["fail-1", "use-0"], "retry"))
     sim.run_all()
+    sim.submit([task("use-2", "sum-1", workers=["C"]), task("lied-about", workers=["A"])],
+               ["use-2", "lied-about"])
     sim.record(sim.state.missing_data("C", "sum-1", "A", "missing"))
+    sim.record(sim.state.task_finished("A", [{"key": "lied-about", "nbytes": -1}], "lie"))
+    with pytest.raises(ValueError, match="runs no task that needs it"):  # each its own class
+        sim.state.missing_data("A", "use-1", "C", "not-fetching")
     sim.run_all()
     sim.release(["load-0", "gpu-1"])
     sim.submit([task("bad", "bad")], ["bad"])
     sim.record(sim.state.cancel("c", ["use-1"], "cancel"))
-    sim.release(["sum-1", "on-bob", "load-3"])
+    sim.release(["sum-1", "on-bob", "load-3", "use-2", "lied-about"])
     sim.release(["fail-1", "use-0", "data-0"])  # in this order: remove_client's is a set's
     sim.remove_client("c")
     return sim

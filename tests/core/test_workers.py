@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from core_sim import Sim, assert_refused, compute, computed, free, freed, ops, states, task
+from core_sim import (Sim, assert_refused, compute, computed, free, freed, ops, snapshot,
+                      states, task)
+
+from distributed_core import Unauthorized
 
 
 def two_workers(**options) -> Sim:
@@ -102,7 +105,7 @@ def test_result_also_held_by_another_worker_survives_the_removal():
     sim = two_workers()
     sim.submit([task("x", workers=["A"])], ["x"])
     sim.finish("x", nbytes=5)
-    sim.finish("x", worker="B", nbytes=5)
+    sim.scatter({"x": ["B"]}, {"x": 5})  # the client that wants x put a copy on B
     assert sim.remove_worker("A") == ({}, {})
     assert sim.state.who_has(["x"]) == {"x": ["B"]}
     assert sim.state.workers["B"].nbytes == 5
@@ -212,20 +215,40 @@ def test_missing_data_sends_the_recomputation_once():
 
 def test_missing_data_from_one_of_two_holders_keeps_the_other():
     sim = two_workers()
+    sim.add_worker("C", 1)
     sim.submit([task("x", workers=["A"])], ["x"])
     sim.finish("x", nbytes=3)
-    sim.finish("x", worker="B", nbytes=3)
+    sim.scatter({"x": ["B"]}, {"x": 3})
+    sim.submit([task("y", "x", workers=["C"])], ["y"])
     assert sim.state.missing_data("C", "x", "A", "missing") == ({}, {})
     assert sim.state.who_has(["x"]) == {"x": ["B"]}
     assert (sim.state.workers["A"].nbytes, sim.state.workers["B"].nbytes) == (0, 3)
 
 
-def test_missing_data_about_a_key_that_is_not_in_memory_is_ignored():
+def test_missing_data_naming_a_worker_that_does_not_hold_the_key_changes_nothing():
     sim = two_workers()
-    sim.submit([task("x", workers=["A"])], ["x"])
-    assert sim.state.missing_data("B", "x", "A", "missing") == ({}, {})
-    assert sim.state.missing_data("B", "unknown", "A", "missing") == ({}, {})
-    assert states(sim.state) == {"x": "processing"}
+    sim.submit([task("x", workers=["A"]), task("y", "x", workers=["B"])], ["y"])
+    sim.finish("x")
+    before = snapshot(sim.state)
+    assert sim.state.missing_data("B", "x", "B", "missing") == ({}, {})
+    assert sim.state.missing_data("B", "x", "nowhere", "missing") == ({}, {})
+    assert snapshot(sim.state)["tasks"] == before["tasks"]
+
+
+def test_missing_data_from_a_worker_that_needs_no_such_input_is_unauthorized():
+    sim = two_workers()
+    sim.add_worker("C", 1)
+    sim.submit([task("x", workers=["A"]), task("y", "x", workers=["B"])], ["y", "x"])
+    sim.finish("x")
+    for worker, key in [("C", "x"),  # runs nothing that needs x
+                        ("A", "x"),  # holds x, was not told to fetch it
+                        ("nowhere", "x"), ("B", "unknown"), ("B", "y")]:
+        assert_refused(sim.state, lambda: sim.state.missing_data(worker, key, "A", "missing"),
+                       Unauthorized, match="runs no task that needs it")
+    sim.finish("y")  # B is done with y: it no longer fetches x
+    assert_refused(sim.state, lambda: sim.state.missing_data("B", "x", "A", "missing"),
+                   Unauthorized)
+    assert states(sim.state) == {"x": "memory", "y": "memory"}
 
 
 # -- reschedule ----------------------------------------------------------------------------
@@ -315,6 +338,18 @@ def test_scatter_with_one_malformed_entry_changes_nothing():
     for who_has, nbytes in cases:
         assert_refused(sim.state, lambda: sim.state.update_data("c", who_has, nbytes, "s"))
     assert states(sim.state) == {"y": "processing"}
+
+
+def test_scatter_over_a_key_the_client_does_not_want_is_unauthorized():
+    sim = two_workers()
+    sim.submit([task("x", workers=["A"])], ["x"], client="c1")
+    sim.finish("x")
+    error = assert_refused(
+        sim.state, lambda: sim.state.update_data("c2", {"new": ["B"], "x": ["B"]},
+                                                 {"x": 1}, "s"), Unauthorized)
+    assert "'x'" in str(error)
+    assert "c2" not in sim.state.clients
+    assert sim.state.who_has(["x"]) == {"x": ["A"]}
 
 
 def test_scatter_to_unknown_workers_is_cancelled():
