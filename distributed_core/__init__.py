@@ -50,11 +50,12 @@ InvariantError = _core.InvariantError
 InvalidStimulus = _core.InvalidStimulus
 Unauthorized = _core.Unauthorized
 GraphError = _core.GraphError
+TransitionLimitExceeded = _core.TransitionLimitExceeded
 bounded_repr = _core.bounded_repr
 TASK_STATES = _core.TASK_STATES
 
 __all__ = [
     "COMPILED", "CORE_FILE", "TaskState", "WorkerState", "ClientState", "TaskPrefix", "SchedulerState",
     "InvalidTransition", "InvariantError", "InvalidStimulus", "Unauthorized", "GraphError",
-    "bounded_repr", "TASK_STATES", "__version__",
+    "TransitionLimitExceeded", "bounded_repr", "TASK_STATES", "__version__",
 ]

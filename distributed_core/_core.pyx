@@ -15,7 +15,9 @@ Rules of this module (everything that decides a task's state lives in this file)
   the state exactly as it was. Roles are enforced here: a worker speaks only about tasks
   processing on it and inputs it was told to fetch, a client only about keys it wants
   (``Unauthorized``). One bad report in a worker's batch errs (or is ignored for) that
-  one task, never the batch. Any other exception is a bug.
+  one task, never the batch. Any other exception is a bug; work it left pending
+  (recommendations, messages) is carried out by the next stimulus, and a stimulus that
+  runs away (``max_transitions_per_stimulus``) raises ``TransitionLimitExceeded``.
 - One table, one engine. ``_TRANSITIONS[start][finish]`` names the function for each
   allowed move. A transition changes one task and may *recommend* states for others; the
   engine applies recommendations until none are left. A move with no entry goes through
@@ -72,6 +74,10 @@ _MAX_NBYTES = 2 ** 62  # the largest result size a report may claim
 _MAX_DURATION = 1e7  # seconds; a longer (or negative) reported run time counts as unknown
 _EXACT_FLOAT_INT = 2 ** 53  # ints a report's start / stop may be (exact as floats)
 _QUOTE_LIMIT = 200  # characters of a refused value that an error message quotes
+# Transitions one stimulus may run, unless max_transitions_per_stimulus says otherwise:
+# no legitimate stimulus moves a task more than a few times.
+_TRANSITIONS_PER_TASK_LIMIT = 50
+_TRANSITIONS_LIMIT_BASE = 100_000
 
 
 class InvalidTransition(RuntimeError):
@@ -94,6 +100,10 @@ class Unauthorized(InvalidStimulus):
 class GraphError(InvalidStimulus):
     """A graph submitted by a client was refused; nothing was changed."""
 
+
+class TransitionLimitExceeded(RuntimeError):
+    """One stimulus ran more transitions than ``max_transitions_per_stimulus``: a
+    recommendation loop, i.e. a bug in the state machine, not bad input."""
 
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -583,6 +593,9 @@ class SchedulerState:
     work (seconds per thread) a worker is given regardless: with tiny tasks, a count of
     1.1 per thread would leave the worker idle for every round trip to the scheduler.
     ``clock`` is a callable returning seconds; it stamps the transition log.
+    ``max_transitions_per_stimulus`` bounds the recommendations one stimulus may carry
+    out before it raises TransitionLimitExceeded (a loop is a bug); by default
+    ``50 * (tasks + 1) + 100,000``, far more than any legitimate stimulus needs.
     """
 
     tasks: dict
@@ -604,6 +617,7 @@ class SchedulerState:
     _log_capacity: cython.Py_ssize_t
     _log_next: cython.Py_ssize_t
     transition_counter: cython.Py_ssize_t
+    max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
     _recs: dict
@@ -617,10 +631,17 @@ class SchedulerState:
 
     def __init__(self, *, validate: bool = False, worker_saturation: float = 1.1,
                  queue_horizon: float = 0.05, allowed_failures: int = 3, default_duration: float = 0.5,
-                 transition_log_length: int = 10_000, clock=None):
+                 transition_log_length: int = 10_000, clock=None,
+                 max_transitions_per_stimulus=None):
         self.tasks = {}
         if not worker_saturation > 0:
             raise ValueError(f"worker_saturation must be positive, not {worker_saturation!r}")
+        if max_transitions_per_stimulus is not None and (
+                type(max_transitions_per_stimulus) is not int
+                or not 1 <= max_transitions_per_stimulus <= _INT64_MAX):
+            raise ValueError("max_transitions_per_stimulus must be a positive int or None, "
+                             f"not {max_transitions_per_stimulus!r}")
+        self.max_transitions_per_stimulus = max_transitions_per_stimulus or 0
         self.workers = {}
         self.clients = {}
         self.prefixes = {}
@@ -654,6 +675,8 @@ class SchedulerState:
     def __del__(self):
         # Tasks are invisible to the cyclic GC: cut their links so refcounting frees them.
         ts: TaskState
+        if self.tasks is None:
+            return  # __init__ refused its arguments
         for ts in self.tasks.values():
             ts.dependencies = _NO_DEPENDENCIES
             ts.dependents = None
@@ -1134,29 +1157,51 @@ class SchedulerState:
 
     @cython.cfunc
     def _begin(self, stimulus_id: str) -> None:
+        # Recommendations and messages that a stimulus which raised left behind are not
+        # dropped: this stimulus carries them out and delivers them with its own.
         self._stimulus_id = stimulus_id
         self._now = self.clock()
-        self._recs = {}
-        self._client_msgs = {}
-        self._worker_msgs = {}
 
     @cython.cfunc
     def _end(self) -> tuple:
         recs = self._recs
         ts: TaskState
+        n: cython.Py_ssize_t = 0
+        limit: cython.Py_ssize_t = self.max_transitions_per_stimulus
+        if limit <= 0:
+            limit = _TRANSITIONS_PER_TASK_LIMIT * (len(self.tasks) + 1) + _TRANSITIONS_LIMIT_BASE
         while True:
             while recs:
                 ts, finish = recs.popitem()
+                n += 1
+                if n > limit:
+                    self._runaway(ts, finish, limit)
                 self._transition(ts, finish)
             # Workers with room take queued tasks, most urgent first, until saturated.
             if not (self.n_queued > 0 and self.idle and self._pop_queued()):
                 break
+        if self.validate:
+            self.validate_state()  # before the messages are handed out: kept if it raises
         result = (self._client_msgs, self._worker_msgs)
         self._client_msgs = {}
         self._worker_msgs = {}
-        if self.validate:
-            self.validate_state()
         return result
+
+    @cython.cfunc
+    def _runaway(self, ts: TaskState, finish: str, limit: cython.Py_ssize_t) -> None:
+        """Raise TransitionLimitExceeded; drop the pending recommendations (the loop).
+
+        The messages collected so far are kept and go out with the next stimulus."""
+        pending = len(self._recs)
+        self._recs.clear()
+        sid = self._stimulus_id
+        recent = [f"{bounded_repr(key, 60)}: {start} -> {end}"
+                  for key, start, end, stimulus_id, _ in self.transition_log[-5:]
+                  if stimulus_id == sid]
+        raise TransitionLimitExceeded(
+            f"stimulus {bounded_repr(sid)} ran more than {limit} transitions (a "
+            f"recommendation loop): next {bounded_repr(ts.key, 60)}: {ts.state} -> {finish}; "
+            f"last transitions {recent}; {pending} more pending recommendations dropped")
 
     @cython.cfunc
     def _transition(self, ts: TaskState, finish: str) -> None:
