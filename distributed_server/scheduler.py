@@ -22,12 +22,7 @@ import itertools
 import logging
 import time
 
-from distributed_core import COMPILED, SchedulerState, __version__
-
-try:  # TEMPORARY until the core's InvalidStimulus lands
-    from distributed_core import InvalidStimulus
-except ImportError:
-    InvalidStimulus = (ValueError, TypeError, KeyError)
+from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
 
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
 from .security import Security, check_listen_security
