@@ -132,6 +132,9 @@ HEARTBEAT_INTERVAL = 5.0
 #: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
 #: this bounds what a large map costs it in transient memory.
 MAP_BATCH_TASKS = 2_000
+#: Keys per release-keys message at most: a release of a million futures goes as many
+#: small messages, which the scheduler handles in turns with everyone else's.
+RELEASE_BATCH_KEYS = 10_000
 
 
 # Client statuses
@@ -550,6 +553,9 @@ class Client:
             if type(item) is _KeyState:
                 if self._drop_reference(item):
                     released.append(item.key)
+                    if len(released) >= RELEASE_BATCH_KEYS:
+                        self._send_now({"op": "release-keys", "keys": released})
+                        released = []
                 continue
             if released:
                 self._send_now({"op": "release-keys", "keys": released})

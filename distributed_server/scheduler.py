@@ -31,6 +31,12 @@ logger = logging.getLogger("distributed_server.scheduler")
 
 #: Run specs at least this large go to workers as out-of-band blobs.
 BLOB_MIN_BYTES = 64 * 1024
+#: A client's batch is handled in turns of about this long; between turns the scheduler
+#: serves every other peer (a release of a million futures must not stall them).
+TURN_SECONDS = 0.02
+#: A release-keys message over this many keys is applied in slices of this many keys,
+#: one stimulus each, so that no single stimulus holds the event loop for long.
+RELEASE_SLICE_KEYS = 2_000
 
 
 class MessageError(ValueError):
@@ -205,7 +211,9 @@ class Scheduler:
             while True:
                 # Not bound to a name: a decoded batch (a whole graph, maybe) must not
                 # stay alive while the loop waits for the next one.
-                handle(peer, await comm.read())
+                pending = handle(peer, await comm.read())
+                if pending is not None:  # a client's batch, handled in turns
+                    await pending
         except ProtocolError as exc:
             logger.warning("closing connection to %s: %s", peer, exc)
         except CommClosedError:
@@ -308,16 +316,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ clients
 
-    def _handle_client_batch(self, client_id: str, msgs: list) -> None:
+    async def _handle_client_batch(self, client_id: str, msgs: list) -> None:
         self.client_last_seen[client_id] = time.monotonic()
+        turn_end = time.monotonic() + TURN_SECONDS
         for msg in msgs:
             op = msg["op"]
             if op == "close-client":
                 raise CommClosedError(f"client {client_id} closed")
             handler = self._client_handlers.get(op)
             if handler is None:
-                raise MessageError(f"unknown operation {op!r} from client {client_id}")
-            handler(client_id, msg)
+                raise MessageError(f"unknown operation {bounded_repr(op, 60)} from client "
+                                   f"{client_id}")
+            pending = handler(client_id, msg)
+            if pending is not None:
+                await pending
+            if time.monotonic() > turn_end:
+                await asyncio.sleep(0)  # let every other peer be served
+                turn_end = time.monotonic() + TURN_SECONDS
 
     def _update_graph(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
@@ -327,9 +342,29 @@ class Scheduler:
         self._stimulus(client_id, "update-data", self.state.update_data, client_id,
                        msg.get("who_has"), msg.get("nbytes") or {})
 
-    def _release_keys(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "release-keys", self.state.client_releases_keys, client_id,
-                       msg.get("keys"))
+    def _release_keys(self, client_id: str, msg: dict):
+        keys = msg.get("keys")
+        if type(keys) not in (list, tuple) or len(keys) <= RELEASE_SLICE_KEYS:
+            self._stimulus(client_id, "release-keys", self.state.client_releases_keys,
+                           client_id, keys)
+            return None
+        return self._release_keys_in_slices(client_id, keys)
+
+    async def _release_keys_in_slices(self, client_id: str, keys) -> None:
+        """A huge release, one stimulus per slice with a turn for everyone in between.
+
+        Every key is checked first, so a bad key refuses the whole message as a single
+        stimulus would."""
+        try:
+            hash(tuple(keys))
+        except TypeError:
+            self._reply_error(client_id, "release-keys", ValueError("keys must be hashable"))
+            logger.warning("refused 'release-keys' from %s: unhashable keys", client_id)
+            return
+        for i in range(0, len(keys), RELEASE_SLICE_KEYS):
+            self._stimulus(client_id, "release-keys", self.state.client_releases_keys,
+                           client_id, keys[i:i + RELEASE_SLICE_KEYS])
+            await asyncio.sleep(0)
 
     def _desire_keys(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "desire-keys", self.state.client_desires_keys, client_id,

@@ -283,3 +283,27 @@ def test_client_leaving_releases_its_tasks():
             assert len(s.state.tasks) == 0
 
     run(main())
+
+
+def test_a_huge_release_is_applied_in_slices_and_others_are_served_meanwhile():
+    n = 60_000
+
+    async def main():
+        async with Scheduler(validate=False) as s:
+            w = await _worker(s)
+            big, other = await _client(s, "big"), await _client(s, "other")
+            keys = [("held", i) for i in range(n)]
+            big.send({"op": "update-graph", "keys": keys,
+                      "tasks": [{"key": "blocker", "spec": b"S"}]
+                      + [{"key": k, "spec": b"S", "deps": ["blocker"]} for k in keys]})
+            await _read_op(w, "compute-task")
+            while len(s.state.tasks) < n + 1:
+                await asyncio.sleep(0.01)
+            big.send({"op": "release-keys", "keys": keys})
+            await asyncio.sleep(0.001)
+            seen = (await _request(other, "identity"))["n_tasks"]
+            assert 1 < seen < n + 1  # answered while the release was under way
+            while len(s.state.tasks) > 1:
+                await asyncio.sleep(0.01)
+
+    run(main())
