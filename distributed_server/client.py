@@ -127,7 +127,7 @@ PEER_POOL_SIZE = 4
 FETCH_ROUNDS = 12
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
-#: Seconds between the client's heartbeats to the scheduler.
+#: Seconds between the client's heartbeats to the scheduler (it answers each one).
 HEARTBEAT_INTERVAL = 5.0
 #: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
 #: this bounds what a large map costs it in transient memory.
@@ -267,6 +267,10 @@ class _ClientLoopThread:
             self.thread.join(timeout)
 
 
+def _ignore(msg: dict) -> None:
+    """A message that only proves the scheduler is alive."""
+
+
 def _shutdown(runner: _ClientLoopThread | None, cluster) -> None:
     """At interpreter exit (or collection) of an unclosed client: stop, never hang."""
     if runner is not None:
@@ -290,16 +294,21 @@ class Client:
     ``asynchronous=True``, ``await Client(...)`` (or ``async with``) starts it and the
     methods that talk to the cluster return awaitables; `submit` and `map` always
     return futures directly. Closed by `close`, the context manager, or at exit.
-    ``security`` holds the cluster's token and/or TLS files (`Security`); by default
+    A scheduler that stops answering (it answers every heartbeat, sent each
+    `HEARTBEAT_INTERVAL` seconds) for ``scheduler_timeout`` seconds counts as lost: the
+    pending futures raise `SchedulerConnectionError`. ``security`` holds the cluster's token and/or TLS files (`Security`); by default
     those of the LocalCluster given or started, else those named by the ``DCORE_TOKEN``
     / ``DCORE_TOKEN_FILE`` / ``DCORE_TLS_*`` environment variables.
     """
 
     def __init__(self, address=None, *, asynchronous: bool = False, timeout: float = 10,
                  name: str | None = None, set_as_default: bool = True,
-                 security: Security | None = None, **cluster_kwargs) -> None:
+                 security: Security | None = None, scheduler_timeout: float = 30.0,
+                 **cluster_kwargs) -> None:
         self.asynchronous = asynchronous
         self.timeout = timeout
+        self.scheduler_timeout = scheduler_timeout
+        self._last_heard = 0.0  # loop time of the last frame from the scheduler
         if security is None and address is not None:
             security = getattr(address, "security", None) or Security.from_environment()
         self.security = security
@@ -345,6 +354,7 @@ class Client:
             "graph-refused": self._handle_graph_refused,
             "reply": self._handle_reply,
             "error": self._handle_error,
+            "heartbeat": _ignore,
         }
         if not asynchronous:
             self._start_sync()
@@ -403,14 +413,22 @@ class Client:
             raise ConnectionError(f"{self.scheduler_address} is not a scheduler "
                                   f"(it says role={comm.extra.get('role')!r})")
         self._comm = comm
+        self._last_heard = self._loop.time()
         self._reader = self._loop.create_task(self._read_loop(comm))
         self.status = _RUNNING
         self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
 
     def _heartbeat(self) -> None:
-        """Tell the scheduler we are alive (it drops clients silent for too long)."""
+        """Tell the scheduler we are alive (it drops clients silent for too long), and
+        give up on a scheduler that has not answered for ``scheduler_timeout``."""
         comm = self._comm
         if self.status != _RUNNING or comm is None or comm.closed:
+            return
+        silent = self._loop.time() - self._last_heard
+        if silent > self.scheduler_timeout:
+            logger.warning("the scheduler at %s has not answered for %.1f s",
+                           self.scheduler_address, silent)
+            comm.abort()  # the read loop fails what is pending
             return
         with contextlib.suppress(CommClosedError):
             comm.send({"op": "heartbeat"})
@@ -665,7 +683,9 @@ class Client:
         handlers = self._handlers
         try:
             while True:
-                for msg in await comm.read():
+                msgs = await comm.read()
+                self._last_heard = self._loop.time()
+                for msg in msgs:
                     handler = handlers.get(msg["op"])
                     if handler is None:
                         logger.warning("unknown message from the scheduler: %.200r", msg)
@@ -674,6 +694,7 @@ class Client:
                         handler(msg)
                     except Exception:
                         logger.exception("cannot handle %.200r", msg)
+                del msgs  # not kept alive while waiting for the next frame
         except CommClosedError as e:
             self._connection_lost(e)
 

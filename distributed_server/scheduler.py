@@ -103,7 +103,7 @@ class Scheduler:
             "retry": self._retry,
             "who-has": self._who_has,
             "identity": self._identity,
-            "heartbeat": _ignore,
+            "heartbeat": self._client_heartbeat,
         }
 
     def __repr__(self):
@@ -377,6 +377,12 @@ class Scheduler:
     def _retry(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "retry", self.state.retry, client_id, msg.get("keys"))
 
+    def _client_heartbeat(self, client_id: str, msg: dict) -> None:
+        """Answer, so the client knows we are alive (it gives up on a silent scheduler)."""
+        comm = self.client_comms.get(client_id)
+        if comm is not None:
+            _send_quietly(comm, {"op": "heartbeat"})
+
     def _who_has(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.state.who_has(_keys(msg)))
 
@@ -420,10 +426,6 @@ class Scheduler:
                 if spec is not None and len(spec) >= BLOB_MIN_BYTES:
                     msg["spec"] = Blob(spec)
                 _send_quietly(comm, msg)
-
-
-def _ignore(peer: str, msg: dict) -> None:
-    """Messages that only prove the peer is alive."""
 
 
 def _send_quietly(comm, msg: dict) -> None:
