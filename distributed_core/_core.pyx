@@ -78,6 +78,9 @@ _QUOTE_LIMIT = 200  # characters of a refused value that an error message quotes
 # no legitimate stimulus moves a task more than a few times.
 _TRANSITIONS_PER_TASK_LIMIT = 50
 _TRANSITIONS_LIMIT_BASE = 100_000
+#: The reason a restart gives the clients in its ``cancelled-keys`` messages.
+RESTART_REASON = ("the cluster was restarted (Client.restart): every task was forgotten and "
+                  "the workers' results dropped")
 
 
 class InvalidTransition(RuntimeError):
@@ -1079,6 +1082,31 @@ class SchedulerState:
             self._recs[ts] = WAITING
         return self._end()
 
+    def restart(self, stimulus_id) -> tuple:
+        """The cluster is being restarted: every client stops wanting every key, and every
+        task is forgotten (results in memory, work in flight, errors).
+
+        Each client that wanted keys is told ``{"op": "cancelled-keys", "keys": [...],
+        "reason": RESTART_REASON}``; each worker is told to free what it runs or holds.
+        Workers and clients stay registered (the server restarts the worker processes)."""
+        _check_str(stimulus_id, "stimulus_id")
+        self._begin(stimulus_id)
+        cs: ClientState
+        ts: TaskState
+        for cs in self.clients.values():
+            if not cs.wants_what:
+                continue
+            keys = [ts.key for ts in cs.wants_what]
+            self._send_client(cs, {"op": "cancelled-keys", "keys": keys,
+                                   "reason": RESTART_REASON})
+            for ts in list(cs.wants_what):
+                self._drop_want(ts, cs)
+        self._engine()
+        if self.validate:
+            _check(not self.tasks, f"{len(self.tasks)} tasks survived a restart, e.g. "
+                                   f"{next(iter(self.tasks.values()), None)}")
+        return self._end()
+
     # ------------------------------------------------------------------ authorization
 
     @cython.cfunc
@@ -1164,6 +1192,17 @@ class SchedulerState:
 
     @cython.cfunc
     def _end(self) -> tuple:
+        self._engine()
+        if self.validate:
+            self.validate_state()  # before the messages are handed out: kept if it raises
+        result = (self._client_msgs, self._worker_msgs)
+        self._client_msgs = {}
+        self._worker_msgs = {}
+        return result
+
+    @cython.cfunc
+    def _engine(self) -> None:
+        """Apply recommendations until none are left; fill idle workers from the queue."""
         recs = self._recs
         ts: TaskState
         n: cython.Py_ssize_t = 0
@@ -1180,12 +1219,6 @@ class SchedulerState:
             # Workers with room take queued tasks, most urgent first, until saturated.
             if not (self.n_queued > 0 and self.idle and self._pop_queued()):
                 break
-        if self.validate:
-            self.validate_state()  # before the messages are handed out: kept if it raises
-        result = (self._client_msgs, self._worker_msgs)
-        self._client_msgs = {}
-        self._worker_msgs = {}
-        return result
 
     @cython.cfunc
     def _runaway(self, ts: TaskState, finish: str, limit: cython.Py_ssize_t) -> None:

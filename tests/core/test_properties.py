@@ -79,6 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.told: dict = {}  # address -> keys it was ever told to compute
         self.n_graphs = 0
         self.n_scattered = 0
+        self.n_restarts = 0
         self.in_memory: dict = {}  # key -> holders, as of the end of the previous step
         self.lost: set = set()  # (key, address) lost in this step: worker left / lost data
 
@@ -278,6 +279,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         if erred:
             self.sim.record(self.state.retry("c1", [pick(erred, i)], self.sim.sid("retry")))
             self.remember_told()
+
+    @rule()
+    def cluster_restarts(self):
+        """Client.restart: every task is forgotten and every client told (at most once a
+        run: it empties the state, and later rules build it up again)."""
+        if self.n_restarts:
+            return
+        self.n_restarts += 1
+        wanted = {client: self.wanted(client) for client in ("c1", "c2")}
+        client_msgs, _ = self.sim.record(self.state.restart(self.sim.sid("restart")))
+        told = {client: sorted((k for msg in msgs for k in msg["keys"]), key=repr)
+                for client, msgs in client_msgs.items()}
+        assert told == {client: keys for client, keys in wanted.items() if keys}
+        assert self.state.tasks == {}
+        assert not any(self.sim.computing.values()) and not any(self.sim.data.values())
 
     # -- invariants ----------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ def every_stimulus(state, stimulus_id="sid") -> dict:
         "retry": lambda: state.retry("c1", ["b"], stimulus_id),
         "missing_data": lambda: state.missing_data("A", "a", "A", stimulus_id),
         "reschedule": lambda: state.reschedule("A", "b", stimulus_id),
+        "restart": lambda: state.restart(stimulus_id),
     }
 
 
