@@ -106,9 +106,9 @@ logger = logging.getLogger(__name__)
 
 
 def _drop_tls_handshake_noise(record: logging.LogRecord) -> bool:
-    """tornado logs every failed TLS handshake at WARNING; the listener reports them
-    itself, rate-limited, so a peer that speaks plain TCP cannot flood the log."""
-    return not str(record.msg).startswith("SSL Error on")
+    """tornado logs every failed TLS handshake and read at WARNING; the listener and the
+    comm report them themselves, rate-limited, so a peer cannot flood the log."""
+    return not str(record.msg).startswith(("SSL Error on", "error on read"))
 
 
 logging.getLogger("tornado.general").addFilter(_drop_tls_handshake_noise)
@@ -143,6 +143,9 @@ _COALESCE_BYTES = 64 * 1024
 _READ_INTO_BYTES = 64 * 1024
 # A large body or buffer is first read into this many bytes, then the buffer doubles.
 _FIRST_READ_BYTES = 1024 * 1024
+# The initial buffer of each comm's Packer (msgpack's default is 256 KiB); it grows as
+# large messages need.
+_PACKER_BUFFER_BYTES = 16 * 1024
 
 
 class CommClosedError(ConnectionError):
@@ -184,7 +187,8 @@ def parse_address(address: str) -> tuple[str, str, int]:
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"address {address!r}: write an IPv6 host in brackets, [::1]")
-    if not host or any(c in host for c in "/[]@ "):
+    if not host or any(c in host for c in "/[]@") or not host.isprintable() \
+            or any(c.isspace() for c in host):
         raise ValueError(f"address {address!r} has an invalid host {host!r}")
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"address {address!r} has an invalid port {port_text!r}")
@@ -235,42 +239,47 @@ class _Encoder:
     """Turns a batch of message dicts into the byte chunks of a frame (or of a few).
 
     Holds one reused ``msgpack.Packer``; its ``default`` hook moves each `Blob` into
-    the frame's buffer list. Not reentrant, which is fine: packing never awaits.
+    the frame's buffer list. Not reentrant, which is fine: packing never awaits. The
+    hook is a closure over that list, not a bound method: a cycle through the Packer
+    would keep it (and its buffer) alive until the cyclic GC runs, which servers make
+    rare.
     """
 
     __slots__ = ("_buffers", "_packer")
 
     def __init__(self) -> None:
-        self._buffers: list[memoryview] = []
-        self._packer = msgpack.Packer(default=self._default)
+        buffers: list[memoryview] = []
 
-    def _default(self, obj: Any) -> msgpack.ExtType:
-        if type(obj) is Blob:
-            self._buffers.append(obj.buffer)
-            return msgpack.ExtType(BLOB_EXT_CODE, _INDEX.pack(len(self._buffers) - 1))
-        raise TypeError(f"cannot serialize a {type(obj).__name__!r} object in a message")
+        def default(obj: Any) -> msgpack.ExtType:
+            if type(obj) is Blob:
+                buffers.append(obj.buffer)
+                return msgpack.ExtType(BLOB_EXT_CODE, _INDEX.pack(len(buffers) - 1))
+            raise TypeError(f"cannot serialize a {type(obj).__name__!r} object in a message")
+
+        self._buffers = buffers  # cleared in place, never replaced
+        self._packer = msgpack.Packer(default=default, buf_size=_PACKER_BUFFER_BYTES)
 
     def encode(self, msgs: list[dict]) -> list[bytes | memoryview]:
         """The frame for ``msgs``, as chunks to write in order. Raises TypeError."""
-        self._buffers = []
+        self._buffers.clear()
         return self._frame(self._packer.pack(msgs))
 
     def encode_frames(self, msgs: list[dict], split_bytes: int) -> list[list]:
         """``msgs`` as one frame, or as several of about ``split_bytes`` of body each
         (never splitting a message) if one frame would be larger."""
-        self._buffers = []
+        self._buffers.clear()
         body = self._packer.pack(msgs)
         if len(msgs) == 1 or len(body) <= split_bytes:
             return [self._frame(body)]
         frames, parts, size = [], [], 0
-        self._buffers = []
+        self._buffers.clear()
         for msg in msgs:
             part = self._packer.pack(msg)
             parts.append(part)
             size += len(part)
             if size >= split_bytes:
                 frames.append(self._frame(self._array(parts)))
-                parts, size, self._buffers = [], 0, []
+                parts, size = [], 0
         if parts:
             frames.append(self._frame(self._array(parts)))
         return frames
@@ -285,8 +294,9 @@ class _Encoder:
             n = len(buffers)
             lengths = [len(body)] + [b.nbytes for b in buffers]
             header = struct.pack(f"<{n + 2}Q", n, *lengths)
-            self._buffers = []
-            return _coalesce([header, body, *buffers])
+            chunks = _coalesce([header, body, *buffers])
+            buffers.clear()
+            return chunks
         header = _HEAD.pack(0, len(body))
         if len(body) < _COALESCE_BYTES:
             return [header + body]
@@ -593,7 +603,10 @@ class Comm:
 def _socket_addresses(stream: IOStream, scheme: str) -> tuple[str, str]:
     """(local_address, peer_address) of a connected stream, as ``scheme://host:port``."""
     sock = stream.socket
-    local = sock.getsockname()
+    try:
+        local = sock.getsockname()
+    except (OSError, AttributeError):  # closed already: no socket any more
+        return f"{scheme}://<closed>", f"{scheme}://<closed>"
     try:
         peer = sock.getpeername()
     except OSError:  # the peer is already gone
@@ -872,6 +885,14 @@ async def _connect_once(
                 max_buffers=0)
     try:
         await asyncio.wait_for(_connector_handshake(comm, handshake, security.token), timeout)
+    except (CommClosedError, StreamClosedError) as e:
+        comm.abort()
+        if isinstance(stream.error, ssl.SSLError) and not isinstance(e, HandshakeError):
+            # TLS 1.3: a listener that refuses our certificate says so after the TLS
+            # handshake, so we learn it only now. Not worth retrying.
+            raise HandshakeError(f"TLS connection to {_format_address(scheme, host, port)} "
+                                 f"failed: {stream.error}") from e
+        raise
     except BaseException:
         comm.abort()
         raise
@@ -939,7 +960,7 @@ class Listener:
         self._loop = asyncio.get_running_loop()
         self._sockets: list[socket.socket] = []
         self._tasks: set[asyncio.Task] = set()
-        self._pending: set[Comm] = set()
+        self._pending: dict[Comm, str] = {}  # comm -> host, oldest first
         self._pending_by_host: dict[str, int] = {}
         self._open_by_host: dict[str, int] = {}
         self.n_open = 0
@@ -1007,22 +1028,38 @@ class Listener:
             return f"too many connections ({self.n_open}, limit {self.max_connections})"
         if self._open_by_host.get(host, 0) >= self.max_per_host:
             return f"too many connections from {host} (limit {self.max_per_host})"
-        if len(self._pending) >= MAX_PENDING:
-            return f"too many connections in their handshake (limit {MAX_PENDING})"
-        if self._pending_by_host.get(host, 0) >= MAX_PENDING_PER_HOST:
-            return (f"too many connections in their handshake from {host} "
-                    f"(limit {MAX_PENDING_PER_HOST})")
         return None
+
+    def _make_room_for_a_handshake(self, host: str) -> None:
+        """Over a cap on connections in their handshake, drop the oldest one (of this
+        host first): whoever keeps the caps full with silent connections only ever
+        evicts its own, while a peer that completes its handshake promptly gets in."""
+        if self._pending_by_host.get(host, 0) >= MAX_PENDING_PER_HOST:
+            victim = next(c for c, h in self._pending.items() if h == host)
+        elif len(self._pending) >= MAX_PENDING:
+            victim = next(iter(self._pending))
+        else:
+            return
+        self._log_refusal("%s dropped %s, the oldest connection in its handshake: too many "
+                          "(limits %d, %d per host)", self.address, victim.peer_address,
+                          MAX_PENDING, MAX_PENDING_PER_HOST)
+        self._end_pending(victim)
+        victim.abort()
+
+    def _end_pending(self, comm: Comm) -> None:
+        host = self._pending.pop(comm, None)
+        if host is not None:
+            _decrement(self._pending_by_host, host)
 
     def _admit_socket(self, conn: socket.socket, host: str) -> None:
         conn.setblocking(False)
+        self._make_room_for_a_handshake(host)
         reason = self._refusal(host)
         if reason is not None:
             self._log_refusal("%s refused a connection from %s: %s", self.address, host, reason)
             if self._ssl_context is None:  # a plain peer can read why
                 with contextlib.suppress(OSError):
-                    refusal = {"op": "error", "error": reason, "busy": True}
-                    conn.send(_Encoder().encode([refusal])[0])
+                    conn.send(_busy_frame(reason))
             conn.close()
             return
         max_buffer = self._comm_options["max_frame_bytes"] + (1 << 20)
@@ -1042,9 +1079,9 @@ class Listener:
         self.n_open += 1
         self._open_by_host[host] = self._open_by_host.get(host, 0) + 1
         comm.add_close_callback(lambda: self._forget(host))
-        self._pending.add(comm)
+        self._pending[comm] = host
         self._pending_by_host[host] = self._pending_by_host.get(host, 0) + 1
-        task = self._loop.create_task(self._serve(comm, host))
+        task = self._loop.create_task(self._serve(comm))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -1053,20 +1090,24 @@ class Listener:
         self.n_open -= 1
         _decrement(self._open_by_host, host)
 
-    async def _serve(self, comm: Comm, host: str) -> None:
+    async def _serve(self, comm: Comm) -> None:
         try:
             await asyncio.wait_for(
                 _listener_handshake(comm, self._handshake, self._security.token),
                 self._handshake_timeout)
-        except Exception as e:  # noqa: BLE001 - one bad peer must not break the listener
-            if isinstance(e, asyncio.TimeoutError):
-                e = HandshakeError(f"no handshake within {self._handshake_timeout}s")
-            self._log_handshake("%s refused %s: %s", self.address, comm.peer_address, e)
+        except Exception as exc:  # noqa: BLE001 - one bad peer must not break the listener
+            error = exc
+            if isinstance(exc, asyncio.TimeoutError):
+                error = HandshakeError(f"no handshake within {self._handshake_timeout}s")
+            self._log_handshake("%s refused %s: %s", self.address, comm.peer_address, error)
+            # The traceback runs through asyncio.wait_for, whose frame holds the task that
+            # holds the exception: a cycle that would keep this comm alive until the
+            # cyclic GC runs (rarely, in a server), a flood of bad peers with it.
+            exc.__traceback__ = None
             comm.abort()
             return
         finally:
-            self._pending.discard(comm)
-            _decrement(self._pending_by_host, host)
+            self._end_pending(comm)
         _admit(comm, self._comm_options["max_frame_bytes"])
         await self._run_handler(comm)
 
@@ -1092,6 +1133,12 @@ class Listener:
         self._sockets = []
         for comm in list(self._pending):
             comm.abort()
+
+
+def _busy_frame(reason: str) -> bytes:
+    """The whole frame that tells a plain-TCP peer the listener is too busy."""
+    body = msgpack.packb([{"op": "error", "error": reason, "busy": True}])
+    return _HEAD.pack(0, len(body)) + body
 
 
 def _decrement(counts: dict, key: str) -> None:

@@ -74,7 +74,8 @@ def test_parse_address_splits_scheme_host_port(address, expected):
 @pytest.mark.parametrize(
     "address",
     ["127.0.0.1:8786", "udp://h:1", "tcp://h", "tcp://:80", "tcp://h:port", "tcp://h:70000",
-     "tcp://::1:80", "tcp://h:-1", "", None, 8786],
+     "tcp://::1:80", "tcp://h:-1", "", None, 8786, "tcp://a\nFORGED:1", "tcp://a b:1",
+     "tcp://a\x00b:1"],
 )
 def test_parse_address_rejects_bad_input_with_value_error(address):
     with pytest.raises(ValueError, match="address"):
