@@ -748,6 +748,14 @@ def _peer_info(msg: dict) -> dict:
     return {k: v for k, v in msg.items() if k not in ("op", "proof")}
 
 
+async def _check_proof(comm: Comm, msg: dict, expected: bytes, problem: str) -> None:
+    """Refuse the peer with ``problem`` unless ``msg`` carries the ``expected`` proof
+    (compared in constant time)."""
+    proof = msg.get("proof")
+    if type(proof) is not bytes or not hmac.compare_digest(proof, expected):
+        await _fail(comm, problem)
+
+
 async def _connector_handshake(comm: Comm, info: dict, token: str | None) -> None:
     ours = _hello(token)
     await comm.write([ours])
@@ -761,10 +769,8 @@ async def _connector_handshake(comm: Comm, info: dict, token: str | None) -> Non
     await comm.write([msg])
     reply = await _read_handshake_msg(comm, "handshake")
     if token is not None:
-        expected = _proof(token, _LISTENER, theirs["nonce"], ours["nonce"])
-        proof = reply.get("proof")
-        if type(proof) is not bytes or not hmac.compare_digest(proof, expected):
-            await _fail(comm, "the listener could not prove it holds the cluster token")
+        await _check_proof(comm, reply, _proof(token, _LISTENER, theirs["nonce"], ours["nonce"]),
+                           "the listener could not prove it holds the cluster token")
     comm.extra = _peer_info(reply)
 
 
@@ -777,10 +783,8 @@ async def _listener_handshake(comm: Comm, info: dict, token: str | None) -> None
     await comm.write([ours])
     msg = await _read_handshake_msg(comm, "handshake")
     if token is not None:
-        expected = _proof(token, _CONNECTOR, ours["nonce"], theirs["nonce"])
-        proof = msg.get("proof")
-        if type(proof) is not bytes or not hmac.compare_digest(proof, expected):
-            await _fail(comm, "wrong cluster token")
+        await _check_proof(comm, msg, _proof(token, _CONNECTOR, ours["nonce"], theirs["nonce"]),
+                           "wrong cluster token")
     reply = {**info, "op": "handshake"}
     if token is not None:
         reply["proof"] = _proof(token, _LISTENER, ours["nonce"], theirs["nonce"])
