@@ -1057,7 +1057,6 @@ class Listener:
 
     def _admit_socket(self, conn: socket.socket, host: str) -> None:
         conn.setblocking(False)
-        self._make_room_for_a_handshake(host)
         reason = self._refusal(host)
         if reason is not None:
             self._log_refusal("%s refused a connection from %s: %s", self.address, host, reason)
@@ -1066,6 +1065,7 @@ class Listener:
                     conn.send(_busy_frame(reason))
             conn.close()
             return
+        self._make_room_for_a_handshake(host)
         max_buffer = self._comm_options["max_frame_bytes"] + (1 << 20)
         try:
             if self._ssl_context is not None:
