@@ -198,9 +198,12 @@ class DcoreSystem:
                                     processes=True, timeout=60,
                                     security=make_security(security))
         self.client = Client(self.cluster, set_as_default=False, timeout=60)
-        procs = self.cluster._procs  # the scheduler first, then the workers
+        procs = self.cluster._procs  # the scheduler, then the nanny of the workers
         self.scheduler = psutil.Process(procs[0].pid)
-        self.workers = [psutil.Process(p.pid) for p in procs[1:]]
+        self.workers = []
+        for proc in procs[1:]:  # the nanny and the worker processes it started, as for dask
+            top = psutil.Process(proc.pid)
+            self.workers += [top] + top.children(recursive=True)
         info = self.cluster.scheduler_info()
         self.info = {"compiled": bool(info.get("compiled")),
                      "n_workers": len(info["workers"]), "security": security,
@@ -657,7 +660,7 @@ what was measured (medians over the repeats; every run a fresh cluster after a w
               until the scheduler has forgotten all tasks again; dcore: the `dcore scheduler`
               process (cluster._procs[0]); dask: a separate `python -m
               distributed.cli.dask_scheduler` process, not the client's process
-  workers us  the same over the worker processes (dask: nanny + worker, its default)
+  workers us  the same over the worker processes (nanny + workers, both systems' default)
   client us   the benchmark's client process (main + event-loop threads)
   speedup     the first distributed-core row's tasks/s / this row's (rt: this row's median
               latency / its)

@@ -2,7 +2,7 @@
 
     dcore scheduler [--host HOST] [--port PORT] [credentials]
     dcore worker tcp://SCHEDULER:PORT [--nthreads N] [--name NAME] [--resources GPU=1,MEM=4e9]
-                 [credentials]
+                 [--nworkers N] [--memory-limit 4GiB|0.5|auto|0] [--no-nanny] [credentials]
     dcore demo [--workers N] [--threads N] [--tasks N]
     dcore token                  print a fresh random cluster token
     dcore tls-files DIR [HOST..] write a new CA and a certificate for every role into DIR
@@ -11,6 +11,12 @@
 Credentials: --token-file FILE (or DCORE_TOKEN / DCORE_TOKEN_FILE in the environment),
 --tls-ca-file, --tls-cert, --tls-key (or DCORE_TLS_CA_FILE / _CERT / _KEY). A scheduler
 or worker with none of them listens only on loopback unless given --insecure.
+
+`dcore worker` runs its workers under a nanny (`distributed_server.nanny`): one process
+that starts ``--nworkers`` worker processes (``dcore worker ... --no-nanny``, credentials
+and the memory limit in their environment), restarts them when they die or pass their
+memory limit, and restarts them all when the scheduler asks (`Client.restart`).
+``--no-nanny`` runs one worker in this process instead.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -25,6 +32,7 @@ import sys
 import distributed_core
 
 from .comm import parse_address
+from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
 from .security import (
     Security,
     SecurityError,
@@ -58,7 +66,15 @@ def main(argv: list | None = None) -> int:
     if args.command == "scheduler":
         return asyncio.run(_run_scheduler(args))
     if args.command == "worker":
-        return asyncio.run(_run_worker(args))
+        try:
+            memory_limit = _worker_memory_limit(args)
+        except ValueError as e:
+            print(f"dcore worker: {e}", file=sys.stderr)
+            return 2
+        if args.no_nanny:
+            os.environ[MEMORY_LIMIT_ENV] = str(memory_limit)  # for the worker to read
+            return asyncio.run(_run_worker(args))
+        return asyncio.run(_run_nanny(args, memory_limit))
     if args.command == "token":
         print(new_token())
         return 0
@@ -110,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
                         help="interface to listen on for peers (default: the one that "
                              "reaches the scheduler)")
     worker.add_argument("--port", type=int, default=0)
+    worker.add_argument("--nworkers", type=_positive_int, default=1,
+                        help="worker processes to start, each supervised by the nanny")
+    worker.add_argument("--no-nanny", action="store_true",
+                        help="run one worker in this process, unsupervised")
+    worker.add_argument("--memory-limit", default=None,
+                        help="each worker's memory limit: bytes ('4GiB', '4GB', '4e9'), a "
+                             "fraction of this machine's memory ('0.5'), 'auto' (the "
+                             "machine's memory divided by --nworkers; the default) or 0 "
+                             "(none). The nanny restarts a worker past "
+                             "--memory-terminate-fraction of it")
+    worker.add_argument("--memory-terminate-fraction", type=float, default=TERMINATE_FRACTION,
+                        help="fraction of the memory limit past which the nanny kills and "
+                             "restarts a worker (default %(default)s; 0: never)")
     worker.add_argument("--log-level", default="INFO")
     _add_security_flags(worker)
 
@@ -161,6 +190,34 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(target, 1 << 16), hard))
     except (ImportError, OSError, ValueError):
         pass
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
+    return value
+
+
+def _worker_memory_limit(args) -> int:
+    """Each worker's memory limit in bytes (0: none), checking the nanny's flags too.
+
+    A worker run by a nanny (``--no-nanny``, no ``--memory-limit``) keeps the limit its
+    nanny put in its environment."""
+    if args.no_nanny:
+        if args.nworkers != 1:
+            raise ValueError("--nworkers needs the nanny (drop --no-nanny)")
+        if args.memory_limit is None and os.environ.get(MEMORY_LIMIT_ENV, "").isdigit():
+            return int(os.environ[MEMORY_LIMIT_ENV])
+    elif args.nworkers > 1 and args.port:
+        raise ValueError(f"--port {args.port} cannot serve {args.nworkers} workers "
+                         "(leave it out: each worker picks a free port)")
+    if not 0 <= args.memory_terminate_fraction <= 1:
+        raise ValueError("--memory-terminate-fraction must be from 0 to 1")
+    return parse_memory_limit(args.memory_limit, args.nworkers)
 
 
 def _resources(text: str) -> dict:
@@ -230,8 +287,56 @@ async def _run_worker(args) -> int:
                     security=args.security, insecure=args.insecure)
     await worker.start()
     print(f"Worker at {worker.address} connected to {args.address}", flush=True)
+    _tell_nanny(worker.address)
     await _serve_until_signal(worker)
     return 0
+
+
+def _tell_nanny(address: str) -> None:
+    """Under a nanny: write our address to the pipe it gave us (then close it)."""
+    from .nanny import ADDRESS_FD_ENV
+
+    fd = os.environ.pop(ADDRESS_FD_ENV, None)  # not for the processes tasks start
+    if fd is None or not fd.isdigit():
+        return
+    try:
+        os.write(int(fd), f"{address}\n".encode())
+        os.close(int(fd))
+    except OSError:
+        pass
+
+
+async def _run_nanny(args, memory_limit: int) -> int:
+    """Supervise ``--nworkers`` worker processes until SIGTERM/SIGINT, or until they all
+    exited cleanly (the scheduler closed them)."""
+    from .nanny import Nanny
+
+    worker_args = ["--nthreads", str(args.nthreads), "--host", args.host,
+                   "--port", str(args.port), "--log-level", args.log_level]
+    if args.resources:
+        worker_args += ["--resources",
+                        ",".join(f"{name}={quantity!r}" for name, quantity in
+                                 args.resources.items())]
+    if args.insecure:
+        worker_args.append("--insecure")
+    if args.name is None:
+        names = [None] * args.nworkers
+    elif args.nworkers == 1:
+        names = [args.name]
+    else:
+        names = [f"{args.name}-{i}" for i in range(args.nworkers)]
+    nanny = Nanny(args.address, args.nworkers, worker_args=worker_args, names=names,
+                  memory_limit=memory_limit,
+                  terminate_fraction=args.memory_terminate_fraction or None,
+                  security=args.security)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, nanny.stop)
+    # Logged, not printed: stdout is the workers' own ("Worker at ..." lines first).
+    logging.getLogger("distributed_server.nanny").info(
+        "nanny (pid %d) starting %d worker(s) for %s, memory limit %s each", os.getpid(),
+        args.nworkers, args.address, format_bytes(memory_limit) if memory_limit else "none")
+    return await nanny.run()
 
 
 if __name__ == "__main__":

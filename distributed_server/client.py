@@ -713,15 +713,16 @@ class Client:
 
     def _handle_cancelled_keys(self, msg: dict) -> None:
         echoes = self._cancel_echoes
+        reason = msg.get("reason")  # e.g. a restart: not an answer to our own cancel
         for key in msg["keys"]:
-            if echoes[key] > 0:  # the answer to our own cancel: already applied
+            if reason is None and echoes[key] > 0:  # our own cancel: already applied
                 echoes[key] -= 1
                 if not echoes[key]:
                     del echoes[key]
                 continue
             state = self._states.get(key)
             if state is not None and self._detach(state):
-                state.settle(CANCELLED)
+                state.cancel(reason if isinstance(reason, str) else None)
 
     def _handle_graph_refused(self, msg: dict) -> None:
         self._refusals += 1
@@ -1288,7 +1289,7 @@ class Client:
         self._send_on_loop({"op": "cancel", "keys": keys, "force": force})
         for state in states:
             self._detach(state)
-            state.settle(CANCELLED)
+            state.cancel()
 
     def retry(self, futures):
         """Run failed futures again (with the failed tasks they depend on)."""
@@ -1344,6 +1345,27 @@ class Client:
         """Block until at least ``n_workers`` workers are connected (TimeoutError after
         ``timeout`` seconds)."""
         return self._sync(self._wait_for_workers, n_workers, timeout)
+
+    def restart(self, timeout: float = 30.0):
+        """Restart every worker of the cluster (each through its nanny) and forget every
+        task; returns this client.
+
+        Every future of every client is cancelled: it raises `CancelledError` saying the
+        cluster was restarted (results are dropped with the workers, work in flight is
+        abandoned), as in dask. Returns once as many workers as before have registered
+        again, or raises TimeoutError if they have not within ``timeout`` seconds. Refused
+        with `SchedulerError`, nothing changed, while a worker has no nanny (started with
+        ``dcore worker --no-nanny`` or by ``LocalCluster(processes=False)``).
+        """
+        return self._sync(self._restart, timeout)
+
+    async def _restart(self, timeout: float):
+        result = await self._request("restart", timeout=timeout)
+        if result.get("status") != "OK":
+            raise TimeoutError(f"restart: {result.get('workers')} of "
+                               f"{result.get('expected')} workers came back within "
+                               f"{timeout} s")
+        return self
 
     async def _wait_for_workers(self, n_workers: int, timeout: float | None) -> None:
         async def poll():

@@ -1,10 +1,15 @@
 """LocalCluster: a scheduler and N workers on this machine, started and stopped together.
 
 With ``processes=True`` (the default) each is its own process, started with the same
-``dcore`` command one would run by hand; with ``processes=False`` they share one
-background thread's event loop in this process (quick to start, handy in tests).
-Closing the cluster, or the interpreter exiting, stops everything it started; on Linux
-the child processes also die with their parent, so none is left orphaned.
+``dcore`` commands one would run by hand: ``dcore scheduler`` and one ``dcore worker
+--nworkers N``, a nanny that supervises the N worker processes (it restarts a worker
+that dies or passes its memory limit, and restarts them all on `Client.restart`). With
+``processes=False`` they share one background thread's event loop in this process (quick
+to start, handy in tests; no nanny, no memory limit, no restart). Closing the cluster,
+or the interpreter exiting, stops everything it started; on Linux the child processes
+also die with their parent, so none is left orphaned. What the processes print passes
+through to this process's stdout and stderr (nothing is kept), except the lines by
+which they announce their addresses.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import uuid
 import weakref
 
 from .comm import CommClosedError, connect
+from .nanny import parse_memory_limit
 from .security import ENVIRONMENT_VARIABLES, Security, new_token
 
 logger = logging.getLogger("distributed_server.cluster")
@@ -35,16 +41,21 @@ class LocalCluster:
 
     ``security`` is the cluster's credentials; by default a fresh random token (no
     TLS), which the processes get through their environment and `Client(cluster)` uses.
+    ``memory_limit`` is each worker's: bytes (``"4GiB"``, ``4e9``), a fraction of this
+    machine's memory (``0.5``), ``"auto"`` (the machine's memory divided by
+    ``n_workers``) or 0 (none); with ``processes=True`` the nanny restarts a worker that
+    passes 95% of it, and the worker finds it in ``DCORE_MEMORY_LIMIT``.
     """
 
     def __init__(self, n_workers: int | None = None, threads_per_worker: int = 1,
                  processes: bool = True, *, host: str = "127.0.0.1", scheduler_port: int = 0,
                  worker_saturation: float = 1.1, validate: bool = False,
                  timeout: float = 30.0, log_level: str = "WARNING",
-                 security: Security | None = None):
+                 security: Security | None = None, memory_limit="auto"):
         if n_workers is None:
             n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
         self.security = security if security is not None else Security(token=new_token())
+        self.memory_limit = parse_memory_limit(memory_limit, n_workers)  # bytes, 0: none
         self.n_workers = n_workers
         self.threads_per_worker = threads_per_worker
         self.processes = processes
@@ -84,22 +95,40 @@ class LocalCluster:
                                    "--log-level", log_level]
         if validate:
             scheduler_cmd.append("--validate")
-        scheduler = self._spawn(scheduler_cmd)
+        scheduler = self._spawn(scheduler_cmd, keep="Scheduler at ")
         self.scheduler_address = _read_address(scheduler, "Scheduler at ", timeout)
-        for i in range(self.n_workers):
+        if self.n_workers:
+            # One nanny for all the workers; names worker-0, worker-1, ... as before.
+            name = "worker" if self.n_workers > 1 else "worker-0"
             self._spawn(command + ["worker", self.scheduler_address,
+                                   "--nworkers", str(self.n_workers),
                                    "--nthreads", str(self.threads_per_worker),
-                                   "--name", f"worker-{i}", "--log-level", log_level])
+                                   "--name", name, "--memory-limit", str(self.memory_limit),
+                                   "--log-level", log_level],
+                        quiet=("Worker at ",))
 
-    def _spawn(self, cmd: list) -> subprocess.Popen:
+    def _spawn(self, cmd: list, keep: str | None = None, quiet: tuple = ()) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
         env.update(self.security.environment())  # not in argv: ps shows argv to everyone
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        proc.lines = _drain_lines(proc)
+        proc.lines = _pass_through(proc, keep, quiet)
         self._procs.append(proc)
         return proc
+
+    def worker_processes(self) -> list:
+        """The worker processes running now (psutil.Process), without their nanny; empty
+        with ``processes=False``. A worker the nanny restarted is a new process."""
+        import psutil
+
+        found = []
+        for proc in self._procs[1:]:
+            try:
+                found += psutil.Process(proc.pid).children()
+            except psutil.Error:
+                pass
+        return found
 
     def _start_in_thread(self, host, port, worker_saturation, validate):
         from .scheduler import Scheduler
@@ -191,14 +220,28 @@ def _die_with_parent() -> None:
         pass
 
 
-def _drain_lines(proc: subprocess.Popen) -> queue.Queue:
-    """Read a child's stdout in a thread forever, so it can never block on a full pipe."""
+def _pass_through(proc: subprocess.Popen, keep: str | None, quiet: tuple) -> queue.Queue:
+    """Copy a child's stdout to ours in a thread, line by line, as long as it runs (so it
+    never blocks on a full pipe), keeping nothing: lines starting with ``keep`` go to the
+    returned queue instead (the scheduler's address), lines starting with one of
+    ``quiet`` are dropped, and None marks the end of the output."""
     lines: queue.Queue = queue.Queue()
 
     def pump():
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
+        try:
+            for line in proc.stdout:
+                if keep is not None and line.startswith(keep):
+                    lines.put(line)
+                elif not line.startswith(quiet):
+                    out = sys.stdout
+                    if out is not None:
+                        try:
+                            out.write(line)
+                            out.flush()
+                        except (OSError, ValueError):  # our stdout is closed: drop it
+                            pass
+        finally:
+            lines.put(None)
 
     threading.Thread(target=pump, daemon=True, name="distributed-core-stdout").start()
     return lines

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import pickle
 import threading
 from collections.abc import Callable, Iterable
@@ -138,6 +139,14 @@ class _KeyState:
         self.traceback = traceback
         self.settle(ERROR)
 
+    def cancel(self, reason: str | None = None) -> None:
+        """Settle as cancelled; ``reason`` (e.g. the cluster was restarted) goes into the
+        `CancelledError` the futures raise."""
+        self.data = self.traceback = None
+        self.error = None if reason is None else functools.partial(
+            CancelledError, f"{self.key!r} was cancelled: {reason}")
+        self.settle(CANCELLED)
+
     def reset(self) -> None:
         """Back to pending (retried, or its data was lost) without running watchers."""
         self.status = PENDING
@@ -156,6 +165,8 @@ class _KeyState:
     def exception(self) -> BaseException:
         """A fresh exception for an erred or cancelled key."""
         if self.status == CANCELLED:
+            if self.error is not None:
+                return self.error()
             return CancelledError(f"{self.key!r} was cancelled")
         assert self.error is not None
         return self.error()

@@ -14,6 +14,13 @@ began changing state is a bug: it is logged at ERROR with its stimulus id and th
 is validated. A worker whose connection closes, or that stays silent past
 ``worker_ttl``, is removed and its work rescheduled; a client silent past
 ``client_idle_timeout`` is disconnected.
+
+Nannies (`distributed_server.nanny`) connect with the role ``"nanny"`` and keep the
+scheduler told which workers they supervise. A client's ``restart`` forgets every task
+(the core's ``restart`` stimulus: each client is told its keys were cancelled), asks
+every nanny to restart its workers, and answers once as many workers as before have
+registered again, or after the request's timeout. It is refused, with nothing changed,
+while any worker has no nanny (it could not come back).
 """
 from __future__ import annotations
 
@@ -31,6 +38,11 @@ logger = logging.getLogger("distributed_server.scheduler")
 
 #: Run specs at least this large go to workers as out-of-band blobs.
 BLOB_MIN_BYTES = 64 * 1024
+#: A restart waits this long for the nannies of workers that joined a moment ago to say
+#: they supervise them (a nanny learns its worker's address after the worker registered).
+NANNY_GRACE_SECONDS = 2.0
+#: Most worker addresses one nanny may name.
+MAX_NANNY_WORKERS = 4096
 #: A client's batch is handled in turns of about this long; between turns the scheduler
 #: serves every other peer (a release of a million futures must not stall them).
 TURN_SECONDS = 0.02
@@ -90,6 +102,13 @@ class Scheduler:
         self.client_comms: dict = {}  # client id -> Comm
         self.last_seen: dict = {}  # worker address -> time.monotonic()
         self.client_last_seen: dict = {}  # client id -> time.monotonic()
+        self.nanny_comms: dict = {}  # nanny id -> Comm
+        self.nanny_workers: dict = {}  # nanny id -> tuple of the worker addresses it runs
+        self._registrations = 0  # workers registered so far (a restart counts new ones)
+        self._joined: dict = {}  # worker address -> its registration number
+        self._workers_changed = asyncio.Event()  # set when a worker or a nanny comes or goes
+        self._restarting = False
+        self._background: set = set()
         self._listener = None
         self._ttl_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -104,6 +123,7 @@ class Scheduler:
             "who-has": self._who_has,
             "identity": self._identity,
             "heartbeat": self._client_heartbeat,
+            "restart": self._restart,
         }
 
     def __repr__(self):
@@ -133,9 +153,10 @@ class Scheduler:
             await self._listener.stop()
         comms = list(self.client_comms.values())
         if close_workers:
-            for comm in self.worker_comms.values():
+            for comm in [*self.nanny_comms.values(), *self.worker_comms.values()]:
                 _send_quietly(comm, {"op": "close"})
             comms += list(self.worker_comms.values())
+        comms += list(self.nanny_comms.values())
         await asyncio.gather(*(comm.close(timeout=1.0) for comm in comms),
                              return_exceptions=True)
 
@@ -157,6 +178,8 @@ class Scheduler:
             await self._serve_worker(comm)
         elif role == "client":
             await self._serve_client(comm)
+        elif role == "nanny":
+            await self._serve_nanny(comm)
         else:
             logger.warning("connection from %s with unknown role %s; closing it",
                            comm.peer_address, bounded_repr(role, 60))
@@ -176,6 +199,9 @@ class Scheduler:
             return
         self.worker_comms[address] = comm
         self.last_seen[address] = time.monotonic()
+        self._registrations += 1
+        self._joined[address] = self._registrations
+        self._workers_changed.set()
         self._apply(messages)  # only now: they may be for this worker
         logger.info("worker %s joined (%d threads, name %r)", address, nthreads, name)
         try:
@@ -184,7 +210,44 @@ class Scheduler:
             del self.worker_comms[address]
             self.last_seen.pop(address, None)
             self._stimulus(address, "remove-worker", self.state.remove_worker, address)
+            self._joined.pop(address, None)
+            self._workers_changed.set()
             logger.info("worker %s left", address)
+
+    async def _serve_nanny(self, comm) -> None:
+        nanny_id = f"nanny-{next(self._ids)}"
+        try:
+            workers = _nanny_workers(comm.extra.get("workers", ()))
+        except MessageError as exc:
+            logger.warning("refusing nanny from %s: %s", comm.peer_address, exc)
+            await _refuse(comm, str(exc))
+            return
+        self.nanny_comms[nanny_id] = comm
+        self.nanny_workers[nanny_id] = workers
+        self._workers_changed.set()
+        logger.info("nanny %s (pid %s) connected from %s", nanny_id,
+                    bounded_repr(comm.extra.get("pid"), 20), comm.peer_address)
+        try:
+            await self._read_loop(comm, nanny_id, self._handle_nanny_batch)
+        finally:
+            del self.nanny_comms[nanny_id]
+            del self.nanny_workers[nanny_id]
+            logger.info("nanny %s left", nanny_id)
+
+    def _handle_nanny_batch(self, nanny_id: str, msgs: list) -> None:
+        """A nanny only says which workers it runs (or that it is alive)."""
+        for msg in msgs:
+            op = msg["op"]
+            if op == "nanny-workers":
+                self.nanny_workers[nanny_id] = _nanny_workers(msg.get("workers"))
+                self._workers_changed.set()
+            elif op != "heartbeat":
+                raise MessageError(f"unknown operation {bounded_repr(op, 60)} from "
+                                   f"{nanny_id}")
+
+    def _workers_without_nanny(self) -> list:
+        supervised = {address for workers in self.nanny_workers.values() for address in workers}
+        return sorted(address for address in self.state.workers if address not in supervised)
 
     async def _serve_client(self, comm) -> None:
         client_id = comm.extra.get("client_id")
@@ -383,6 +446,95 @@ class Scheduler:
         if comm is not None:
             _send_quietly(comm, {"op": "heartbeat"})
 
+    def _restart(self, client_id: str, msg: dict):
+        """``restart {timeout, reqid}``: forget every task, restart every worker through
+        its nanny, answer once as many workers as before are back (or at the timeout).
+
+        The client's later messages are handled after the tasks are forgotten (while the
+        nannies of just-joined workers are awaited, its batch waits); the wait for the
+        workers to come back runs in the background."""
+        reqid, timeout = msg.get("reqid"), msg.get("timeout", 30.0)
+        if type(timeout) not in (int, float) or not 0 < timeout < 1e6:
+            self._reply_failure(client_id, reqid, f"restart: timeout must be a positive "
+                                                  f"number, not {bounded_repr(timeout)}")
+            return None
+        if self._restarting:
+            self._reply_failure(client_id, reqid, "restart: a restart is already under way")
+            return None
+        self._restarting = True
+        return self._restart_begin(client_id, reqid, float(timeout))
+
+    async def _restart_begin(self, client_id: str, reqid, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            grace_end = started + min(NANNY_GRACE_SECONDS, timeout)
+            while self._workers_without_nanny() and loop.time() < grace_end:
+                await asyncio.sleep(0.02)
+            orphans = self._workers_without_nanny()
+            if orphans:
+                text = (f"restart refused: {len(orphans)} worker(s) have no nanny to restart "
+                        f"them: {', '.join(orphans[:10])}{' ...' if len(orphans) > 10 else ''}"
+                        " (started with --no-nanny, or in a LocalCluster(processes=False)); "
+                        "nothing was changed")
+                logger.warning("%s (asked by client %s)", text, client_id)
+                self._reply_failure(client_id, reqid, text)
+                self._restarting = False
+                return
+            n_before, mark = len(self.state.workers), self._registrations
+            if not self._stimulus(client_id, "restart", self.state.restart):
+                self._reply_failure(client_id, reqid, "restart: the scheduler could not "
+                                                      "forget its tasks (see its log)")
+                self._restarting = False
+                return
+            logger.info("restarting %d workers through %d nannies (asked by client %s)",
+                        n_before, len(self.nanny_comms), client_id)
+            for comm in self.nanny_comms.values():
+                _send_quietly(comm, {"op": "restart-workers",
+                                     "reason": f"Client.restart by {client_id}"})
+        except BaseException:
+            self._restarting = False
+            raise
+        task = loop.create_task(self._restart_wait(client_id, reqid, n_before, mark,
+                                                   started, timeout))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _restart_wait(self, client_id: str, reqid, n_before: int, mark: int,
+                            started: float, timeout: float) -> None:
+        """Wait until every registered worker joined after the restart began and there
+        are as many as before; then answer the client."""
+        loop = asyncio.get_running_loop()
+        deadline = started + timeout
+        try:
+            while True:
+                fresh = sum(self._joined.get(address, 0) > mark for address in self.state.workers)
+                if fresh == len(self.state.workers) and fresh >= n_before:
+                    status = "OK"
+                    break
+                if loop.time() >= deadline:
+                    status = "timed-out"
+                    break
+                self._workers_changed.clear()
+                try:
+                    await asyncio.wait_for(self._workers_changed.wait(),
+                                           deadline - loop.time())
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._restarting = False
+        seconds = loop.time() - started
+        log = logger.info if status == "OK" else logger.warning
+        log("restart %s after %.2f s: %d of %d workers are back", status, seconds, fresh,
+            n_before)
+        self._reply(client_id, {"reqid": reqid}, {"status": status, "workers": fresh,
+                                                  "expected": n_before, "seconds": seconds})
+
+    def _reply_failure(self, client_id: str, reqid, text: str) -> None:
+        comm = self.client_comms.get(client_id)
+        if comm is not None:
+            _send_quietly(comm, {"op": "reply", "reqid": reqid, "error": text})
+
     def _who_has(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.state.who_has(_keys(msg)))
 
@@ -391,8 +543,9 @@ class Scheduler:
 
     def identity(self) -> dict:
         """What a client sees of the scheduler: address, workers, task counts."""
+        supervised = {address for workers in self.nanny_workers.values() for address in workers}
         workers = {
-            address: {"nthreads": ws.nthreads, "name": ws.name}
+            address: {"nthreads": ws.nthreads, "name": ws.name, "nanny": address in supervised}
             for address, ws in self.state.workers.items()
         }
         return {"address": self.address, "workers": workers, "compiled": COMPILED,
@@ -442,6 +595,15 @@ async def _refuse(comm, reason: str) -> None:
     except CommClosedError:
         pass
     comm.abort()
+
+
+def _nanny_workers(workers) -> tuple:
+    """Check a nanny's list of worker addresses."""
+    _require(isinstance(workers, (list, tuple)) and len(workers) <= MAX_NANNY_WORKERS
+             and all(isinstance(a, str) and len(a) <= 1000 for a in workers),
+             f"a nanny's 'workers' must be a list of at most {MAX_NANNY_WORKERS} addresses, "
+             f"not {bounded_repr(workers, 100)}")
+    return tuple(workers)
 
 
 def _worker_info(info: dict, scheme: str) -> tuple:

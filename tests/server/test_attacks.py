@@ -165,7 +165,9 @@ class ProcCluster:
     def add_worker(self, name: str, *args: str) -> str:
         """Start a worker process; returns its address once it has registered."""
         log = self.directory / f"worker-{name}.log"
-        proc = self._spawn(["worker", self.address, "--name", name, "--log-level", "INFO",
+        # --no-nanny: these tests attack the worker process itself (its ports, its RSS)
+        proc = self._spawn(["worker", self.address, "--no-nanny", "--name", name,
+                            "--log-level", "INFO",
                             *args], log)
         address = _wait_for_line(proc, "Worker at ", 30, log).split()[2]
         self.workers[address] = proc

@@ -106,10 +106,10 @@ def test_graph_completes_correctly_when_a_worker_is_killed_midway():
         total = client.submit(sum, leaves)
         while sum(f.done() for f in leaves) < 10:
             time.sleep(0.02)
-        victim = cluster._procs[1]  # a worker; [0] is the scheduler
+        victim = cluster.worker_processes()[0]  # a worker process, not its nanny
         victim.send_signal(signal.SIGKILL)
         assert total.result(timeout=90) == sum(i * i for i in range(60))
-        assert len(client.scheduler_info()["workers"]) == 1
+        client.wait_for_workers(2, timeout=30)  # its nanny started it again
 
 
 def test_client_process_dying_midgraph_releases_its_tasks_and_others_are_served():
@@ -141,8 +141,8 @@ def test_client_process_dying_midgraph_releases_its_tasks_and_others_are_served(
 
 def test_closing_a_local_cluster_leaves_no_processes():
     cluster = LocalCluster(n_workers=2, threads_per_worker=1)
-    pids = [proc.pid for proc in cluster._procs]
-    assert len(pids) == 3
+    pids = [proc.pid for proc in cluster._procs] + [p.pid for p in cluster.worker_processes()]
+    assert len(pids) == 4  # the scheduler, the nanny, two workers
     cluster.close()
     assert _gone(pids)
 
@@ -151,13 +151,14 @@ def test_cluster_processes_die_with_a_killed_parent():
     script = textwrap.dedent("""
         from distributed_server import LocalCluster
         cluster = LocalCluster(n_workers=2, threads_per_worker=1)
-        print(*[p.pid for p in cluster._procs], flush=True)
+        print(*[p.pid for p in cluster._procs], *[p.pid for p in cluster.worker_processes()],
+              flush=True)
         import time; time.sleep(120)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                               text=True)
     pids = [int(p) for p in parent.stdout.readline().split()]
-    assert len(pids) == 3
+    assert len(pids) == 4  # the scheduler, the nanny, two workers
     parent.kill()
     parent.wait()
     if not sys.platform.startswith("linux"):

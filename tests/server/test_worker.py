@@ -683,7 +683,7 @@ def test_twenty_thousand_no_op_tasks_are_all_reported_in_batched_frames(capsys):
         async with FakeScheduler() as s:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "distributed_server.cli", "worker", s.address,
-                 "--nthreads", "1", "--log-level", "WARNING"], stdout=subprocess.DEVNULL)
+                 "--no-nanny", "--nthreads", "1", "--log-level", "WARNING"], stdout=subprocess.DEVNULL)
             try:
                 await s.wait_for(lambda: s.comms, timeout=30)
                 (comm,) = s.comms.values()
