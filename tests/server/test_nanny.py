@@ -5,6 +5,7 @@ worker --nworkers 2`` (one nanny process, two worker processes) on loopback. Wor
 SIGKILLed, pushed past their memory limit, restarted by the client; nannies are
 SIGTERMed. Figures (restart times, memory-kill reaction) are printed, not asserted.
 """
+import asyncio
 import os
 import re
 import signal
@@ -365,6 +366,30 @@ def test_local_cluster_without_processes_has_no_nanny_to_restart():
 
 
 # ---------------------------------------------------------------------------- units
+
+
+def test_a_nanny_may_only_say_which_workers_it_runs(caplog):
+    from distributed_server import Scheduler
+    from distributed_server.comm import CommClosedError, connect
+
+    async def main():
+        async with Scheduler(validate=True) as scheduler:
+            refused = await connect(scheduler.address, {"role": "nanny", "workers": "w"})
+            (reply,) = await asyncio.wait_for(refused.read(), 10)
+            assert reply["op"] == "error" and "list of at most 4096" in reply["error"]
+            nanny = await connect(scheduler.address, {"role": "nanny", "workers": []})
+            nanny.send({"op": "nanny-workers", "workers": ["tcp://127.0.0.1:1"]})
+            while ("tcp://127.0.0.1:1",) not in scheduler.nanny_workers.values():
+                await asyncio.sleep(0.01)
+            nanny.send({"op": "update-graph", "tasks": [], "keys": ["x"]})  # not its role
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(nanny.read(), 10)
+            while scheduler.nanny_comms:
+                await asyncio.sleep(0.01)
+            assert not scheduler.state.tasks and not scheduler.state.clients
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert "unknown operation 'update-graph' from nanny" in caplog.text
 
 
 def test_memory_limits_parse_like_dasks():
