@@ -853,7 +853,8 @@ def test_worker_claiming_absurd_threads_is_refused_and_the_address_can_register_
     try:
         assert joined == address
         wait_for_workers(client, real | {address})
-        assert client.scheduler_info()["workers"][address] == {"nthreads": 2, "name": "rejoin"}
+        info = client.scheduler_info()["workers"][address]
+        assert (info["nthreads"], info["name"]) == (2, "rejoin")
         there = client.submit(make_list, 100, workers=[address], pure=False)
         assert there.result(timeout=30) == list(range(100))
         assert client.who_has([there])[there.key] == (address,)
