@@ -261,6 +261,7 @@ class Nanny:
                 code = await self._run_once(slot)
             except OSError as exc:
                 logger.error("nanny: cannot start worker %s: %s", slot.label, exc)
+                slot.last_label = slot.label
                 code = None
             if self._closing or self._stopped_by_scheduler:
                 break
@@ -305,6 +306,10 @@ class Nanny:
         finally:
             os.close(write_end)
         slot.proc = proc
+        slot.restart_requested = False  # a request during the start: this one is fresh
+        if self._closing:  # stop() came while it was starting
+            _signal(proc, signal.SIGTERM)
+            self._loop.call_later(STOP_GRACE, _signal, proc, signal.SIGKILL)
         try:
             slot.ps = psutil.Process(proc.pid)
         except psutil.Error:
