@@ -1,8 +1,10 @@
-"""Build the distributed_core extension from its one .pyx source.
+"""Build the distributed_core extensions, each from its one .pyx source: _core (the
+scheduler's state machine) and _worker_core (a worker's).
 
 DISTRIBUTED_CORE_PURE=1              build no extension (the interpreted fallback)
-DISTRIBUTED_CORE_REQUIRE_COMPILED=1  a failed compile fails the install instead of
-                                     silently installing the slow variant
+DISTRIBUTED_CORE_REQUIRE_COMPILED=1  a failed compile of either extension fails the
+                                     install instead of silently installing the slow
+                                     variant
 """
 import os
 import sys
@@ -56,7 +58,7 @@ def _extensions():
               file=sys.stderr)
         return []
     return cythonize(
-        ["distributed_core/_core.pyx"],
+        ["distributed_core/_core.pyx", "distributed_core/_worker_core.pyx"],
         compiler_directives={"language_level": 3},
     )
 

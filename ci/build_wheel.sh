@@ -10,8 +10,8 @@
 # 2. `auditwheel repair` gives the compiled wheel its manylinux tag.
 # 3. The pure wheel: DISTRIBUTED_CORE_PURE=1 `python -m build --wheel` (from the sdist;
 #    --quick: from the checkout), which must be py3-none-any.
-# 4. File lists: both wheels carry _core.pyx and the Cython shim and no generated .c;
-#    only the compiled one has the extension.
+# 4. File lists: both wheels carry _core.pyx, _worker_core.pyx and the Cython shim and
+#    no generated .c; only the compiled one has the two extensions.
 # 5. The repaired wheel goes into a fresh venv without Cython: COMPILED must be True,
 #    `import distributed_core` must not warn, wheels/smoke_test.py runs if it exists,
 #    and DISTRIBUTED_CORE_PURE=1 must still fall back to the .pyx through the shim.
@@ -156,7 +156,8 @@ def check_sdist(sdist):
     names = [n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n]
     show(sdist, names)
     for need in ("pyproject.toml", "setup.py", "distributed_core/__init__.py",
-                 "distributed_core/_core.pyx", "distributed_core/_cython_shim.py",
+                 "distributed_core/_core.pyx", "distributed_core/_worker_core.pyx",
+                 "distributed_core/_cython_shim.py",
                  "distributed_server/__init__.py"):
         if need not in names:
             problems.append(f"sdist: {need} is missing")
@@ -174,15 +175,17 @@ for wheel, kind in ((compiled, "compiled"), (pure, "pure")):
     names = zipfile.ZipFile(wheel).namelist()
     show(wheel, names)
     for need in ("distributed_core/__init__.py", "distributed_core/_core.pyx",
-                 "distributed_core/_cython_shim.py", "distributed_server/__init__.py"):
+                 "distributed_core/_worker_core.pyx", "distributed_core/_cython_shim.py",
+                 "distributed_server/__init__.py"):
         if need not in names:
             problems.append(f"{kind} wheel: {need} is missing")
     extensions = [n for n in names if n.endswith((".so", ".pyd", ".dylib"))]
-    core_ext = [n for n in extensions
-                if n.startswith("distributed_core/_core.") and "/" not in n[17:]]
-    if kind == "compiled" and len(core_ext) != 1:
-        problems.append(f"compiled wheel: expected one distributed_core/_core extension, "
-                        f"found {core_ext}")
+    for module in ("_core", "_worker_core"):
+        prefix = f"distributed_core/{module}."
+        found = [n for n in extensions if n.startswith(prefix) and "/" not in n[len(prefix):]]
+        if kind == "compiled" and len(found) != 1:
+            problems.append(f"compiled wheel: expected one distributed_core/{module} "
+                            f"extension, found {found}")
     if kind == "pure" and extensions:
         problems.append(f"pure wheel: carries compiled files {extensions}")
     generated = [n for n in names if n.endswith((".c", ".cpp", ".h"))]
@@ -194,7 +197,7 @@ for wheel, kind in ((compiled, "compiled"), (pure, "pure")):
 
 if problems:
     sys.exit("\n".join(problems))
-print("contents OK: .pyx and shim in both wheels, extension only in the compiled one, no .c")
+print("contents OK: .pyx and shim in both wheels, extensions only in the compiled one, no .c")
 PY
 record "check file lists" "$t0"
 
@@ -220,8 +223,9 @@ WPY=$(venv_python "$CI_DIR/wheel-compiled")
   cd "$TMP"
   env -u DISTRIBUTED_CORE_PURE "$WPY" -W error -c '
 import distributed_core
-print("  COMPILED =", distributed_core.COMPILED, "| core:", distributed_core._core.__file__)
-assert distributed_core.COMPILED is True, "the installed wheel runs the interpreted core"
+print("  COMPILED =", distributed_core.COMPILED, "| core:", distributed_core._core.__file__,
+      "| worker core:", distributed_core._worker_core.__file__)
+assert distributed_core.COMPILED is True, "the installed wheel runs an interpreted core"
 '
   if [ -f "$ROOT/wheels/smoke_test.py" ]; then
     log "running wheels/smoke_test.py against the installed wheel"
@@ -232,7 +236,8 @@ assert distributed_core.COMPILED is True, "the installed wheel runs the interpre
   DISTRIBUTED_CORE_PURE=1 "$WPY" -W error -c '
 import distributed_core
 print("  with DISTRIBUTED_CORE_PURE=1: COMPILED =", distributed_core.COMPILED,
-      "| core:", distributed_core._core.__file__)
+      "| core:", distributed_core._core.__file__,
+      "| worker core:", distributed_core._worker_core.__file__)
 assert distributed_core.COMPILED is False
 '
 )
@@ -245,7 +250,8 @@ install_fresh wheel-pure "$PURE_WHEEL"
   cd "$TMP"
   env -u DISTRIBUTED_CORE_PURE "$(venv_python "$CI_DIR/wheel-pure")" -W error -c '
 import distributed_core
-print("  COMPILED =", distributed_core.COMPILED, "| core:", distributed_core._core.__file__)
+print("  COMPILED =", distributed_core.COMPILED, "| core:", distributed_core._core.__file__,
+      "| worker core:", distributed_core._worker_core.__file__)
 assert distributed_core.COMPILED is False, "the pure wheel claims to be compiled"
 '
 )

@@ -163,9 +163,11 @@ variant, root = sys.argv[1], os.path.realpath(sys.argv[2])
 compiled = distributed_core.COMPILED
 package = os.path.realpath(distributed_core.__file__)
 core = distributed_core._core.__file__
+worker_core = distributed_core._worker_core.__file__
 print(f"  distributed_core.COMPILED = {compiled}")
 print(f"  package loaded from       {package}")
 print(f"  core loaded from          {core}")
+print(f"  worker core loaded from   {worker_core}")
 in_checkout = os.path.dirname(package) == os.path.join(root, "distributed_core")
 if variant == "compiled":
     if compiled is not True:

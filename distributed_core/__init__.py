@@ -1,9 +1,10 @@
-"""distributed-core's scheduler state machine: data in, messages out, no I/O.
+"""distributed-core's state machines: data in, messages out, no I/O.
 
-The logic lives in one Cython source, ``_core.pyx``, written in Cython's pure-Python
-syntax. Installed with a compiler it is a C extension; otherwise (or with
-``DISTRIBUTED_CORE_PURE=1`` in the environment) the same file is imported as Python
-source. ``COMPILED`` says which one is running.
+Two of them, each in one Cython source written in Cython's pure-Python syntax:
+``_core.pyx``, the scheduler's (``SchedulerState``), and ``_worker_core.pyx``, a
+worker's (``WorkerCore``). Installed with a compiler each is a C extension; otherwise
+(or with ``DISTRIBUTED_CORE_PURE=1`` in the environment) the same file is imported as
+Python source, module by module. ``COMPILED`` is True only when both are compiled.
 """
 import importlib.machinery
 import importlib.util
@@ -18,28 +19,35 @@ def _pure_requested():
         "", "0", "false", "no")
 
 
-def _load_core():
-    name = __name__ + "._core"
+def _load(module_name):
+    """The C extension ``module_name``, or its ``.pyx`` source run as Python."""
+    name = f"{__name__}.{module_name}"
     if not _pure_requested():
         try:
-            from . import _core  # the C extension
-            return _core
+            return importlib.import_module(name)  # the C extension
         except ImportError:
             pass
-    path = os.path.join(os.path.dirname(__file__), "_core.pyx")
+    path = os.path.join(os.path.dirname(__file__), module_name + ".pyx")
     loader = importlib.machinery.SourceFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    loader.exec_module(module)
+    try:
+        loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
 
 
-_core = _load_core()
+_core = _load("_core")
+_worker_core = _load("_worker_core")  # after _core: it uses the core's exception classes
 
-COMPILED: bool = _core.COMPILED
-#: The file the core was loaded from: the extension module, or ``_core.pyx``.
+COMPILED: bool = _core.COMPILED and _worker_core.COMPILED
+#: The file the scheduler's core was loaded from: the extension module, or ``_core.pyx``.
 CORE_FILE: str = _core.__file__
+#: The file the worker's core was loaded from: the extension, or ``_worker_core.pyx``.
+WORKER_CORE_FILE: str = _worker_core.__file__
 TaskState = _core.TaskState
 WorkerState = _core.WorkerState
 ClientState = _core.ClientState
@@ -53,9 +61,20 @@ GraphError = _core.GraphError
 TransitionLimitExceeded = _core.TransitionLimitExceeded
 bounded_repr = _core.bounded_repr
 TASK_STATES = _core.TASK_STATES
+WorkerTask = _worker_core.WorkerTask
+WorkerCore = _worker_core.WorkerCore
+WORKER_TASK_STATES = _worker_core.WORKER_TASK_STATES
+Execute = _worker_core.Execute
+Fetch = _worker_core.Fetch
+SendMessage = _worker_core.SendMessage
+StoreData = _worker_core.StoreData
+ReleaseData = _worker_core.ReleaseData
+ReportHeld = _worker_core.ReportHeld
 
 __all__ = [
-    "COMPILED", "CORE_FILE", "TaskState", "WorkerState", "ClientState", "TaskPrefix", "SchedulerState",
-    "InvalidTransition", "InvariantError", "InvalidStimulus", "Unauthorized", "GraphError",
-    "TransitionLimitExceeded", "bounded_repr", "TASK_STATES", "__version__",
+    "COMPILED", "CORE_FILE", "WORKER_CORE_FILE", "TaskState", "WorkerState", "ClientState",
+    "TaskPrefix", "SchedulerState", "InvalidTransition", "InvariantError", "InvalidStimulus",
+    "Unauthorized", "GraphError", "TransitionLimitExceeded", "bounded_repr", "TASK_STATES",
+    "WorkerTask", "WorkerCore", "WORKER_TASK_STATES", "Execute", "Fetch", "SendMessage",
+    "StoreData", "ReleaseData", "ReportHeld", "__version__",
 ]

@@ -22,7 +22,7 @@ def fail(x):
 def main() -> int:
     expected = os.environ.get("EXPECT_COMPILED")
     print(f"distributed-core {distributed_core.__version__}: COMPILED={distributed_core.COMPILED}"
-          f" ({distributed_core.CORE_FILE})")
+          f" ({distributed_core.CORE_FILE}, {distributed_core.WORKER_CORE_FILE})")
     if expected is not None and distributed_core.COMPILED != (expected == "1"):
         print(f"FAIL: expected COMPILED={expected == '1'}")
         return 1

@@ -1,4 +1,5 @@
-"""The rules the core's header states: no I/O, no clock, the documented API, one source."""
+"""The rules the cores' headers state (the scheduler's _core.pyx and the worker's
+_worker_core.pyx): no I/O, no clock, the documented API, one source."""
 from __future__ import annotations
 
 import ast
@@ -10,9 +11,13 @@ CORE_DIR = os.path.dirname(distributed_core.__file__)
 ALLOWED_IMPORTS = {
     "_core.pyx": {"__future__", "cython", "_cython_shim", "heapq", "math", "collections",
                   "typing"},
+    # random: a seeded generator picks among equally loaded holders (no clock, no I/O)
+    "_worker_core.pyx": {"__future__", "cython", "_cython_shim", "heapq", "random",
+                         "collections", "typing", "_core"},
     "_cython_shim.py": {"dataclasses"},
-    "__init__.py": {"importlib", "os", "sys", "_core"},
+    "__init__.py": {"importlib", "os", "sys"},
 }
+STATE_MACHINES = ("_core.pyx", "_worker_core.pyx")
 
 
 def imported_modules(filename: str) -> set:
@@ -36,10 +41,20 @@ def test_core_imports_nothing_outside_its_allow_list():
 
 
 def test_core_source_names_no_clock_or_io():
-    with open(os.path.join(CORE_DIR, "_core.pyx"), encoding="utf-8") as f:
+    for filename in STATE_MACHINES:
+        with open(os.path.join(CORE_DIR, filename), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        assert not names & {"time", "datetime", "open", "print", "socket", "pickle", "logging",
+                            "threading", "os", "sys"}, filename
+
+
+def test_the_worker_core_takes_no_generator_it_did_not_seed():
+    with open(os.path.join(CORE_DIR, "_worker_core.pyx"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    assert not names & {"time", "datetime", "open", "print", "socket", "pickle", "logging"}
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+             and isinstance(node.value, ast.Name) and node.value.id == "random"]
+    assert [node.attr for node in calls] == ["Random"]  # random.Random(seed), nothing else
 
 
 def test_documented_api_is_exported():
@@ -52,10 +67,13 @@ def test_documented_api_is_exported():
     assert issubclass(distributed_core.GraphError, ValueError)
 
 
-def test_compiled_flag_matches_the_loaded_module():
-    core = distributed_core._core
-    assert distributed_core.COMPILED is core.COMPILED
-    assert distributed_core.COMPILED == (not core.__file__.endswith(".pyx"))
+def test_compiled_flag_matches_the_loaded_modules():
+    core, worker_core = distributed_core._core, distributed_core._worker_core
+    assert distributed_core.COMPILED is (core.COMPILED and worker_core.COMPILED)
+    for module in (core, worker_core):
+        assert module.COMPILED == (not module.__file__.endswith(".pyx"))
+    assert distributed_core.COMPILED == (not worker_core.__file__.endswith(".pyx"))
+    assert distributed_core.WORKER_CORE_FILE == worker_core.__file__
     if os.environ.get("DISTRIBUTED_CORE_PURE", "").strip().lower() not in ("", "0", "false",
                                                                             "no"):
         assert distributed_core.COMPILED is False
