@@ -1082,27 +1082,42 @@ class SchedulerState:
             self._recs[ts] = WAITING
         return self._end()
 
-    def restart(self, stimulus_id) -> tuple:
+    def restart(self, stimulus_id, max_keys=None) -> tuple:
         """The cluster is being restarted: every client stops wanting every key, and every
         task is forgotten (results in memory, work in flight, errors).
 
         Each client that wanted keys is told ``{"op": "cancelled-keys", "keys": [...],
         "reason": RESTART_REASON}``; each worker is told to free what it runs or holds.
-        Workers and clients stay registered (the server restarts the worker processes)."""
+        Workers and clients stay registered (the server restarts the worker processes).
+        ``max_keys`` (a positive int) does it in slices: this call drops at most that many
+        wanted keys (and forgets what no longer needed); call again until ``tasks`` is
+        empty. Without it, everything goes in one call."""
         _check_str(stimulus_id, "stimulus_id")
+        if max_keys is not None and (type(max_keys) is not int
+                                     or not 1 <= max_keys <= _INT64_MAX):
+            raise InvalidStimulus(f"restart: max_keys must be a positive int or None, not "
+                                  f"{bounded_repr(max_keys)}")
         self._begin(stimulus_id)
         cs: ClientState
         ts: TaskState
+        budget: cython.Py_ssize_t = max_keys if max_keys is not None else _INT64_MAX
         for cs in self.clients.values():
+            if budget <= 0:
+                break
             if not cs.wants_what:
                 continue
-            keys = [ts.key for ts in cs.wants_what]
-            self._send_client(cs, {"op": "cancelled-keys", "keys": keys,
+            wanted = []
+            for ts in cs.wants_what:
+                if len(wanted) >= budget:
+                    break
+                wanted.append(ts)
+            budget -= len(wanted)
+            self._send_client(cs, {"op": "cancelled-keys", "keys": [ts.key for ts in wanted],
                                    "reason": RESTART_REASON})
-            for ts in list(cs.wants_what):
+            for ts in wanted:
                 self._drop_want(ts, cs)
         self._engine()
-        if self.validate:
+        if self.validate and not any([cs.wants_what for cs in self.clients.values()]):
             _check(not self.tasks, f"{len(self.tasks)} tasks survived a restart, e.g. "
                                    f"{next(iter(self.tasks.values()), None)}")
         return self._end()

@@ -482,7 +482,7 @@ class Scheduler:
                 self._restarting = False
                 return
             n_before, mark = len(self.state.workers), self._registrations
-            if not self._stimulus(client_id, "restart", self.state.restart):
+            if not await self._forget_everything(client_id):
                 self._reply_failure(client_id, reqid, "restart: the scheduler could not "
                                                       "forget its tasks (see its log)")
                 self._restarting = False
@@ -499,6 +499,22 @@ class Scheduler:
                                                    started, timeout))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _forget_everything(self, client_id: str) -> bool:
+        """The core's restart in slices of `RELEASE_SLICE_KEYS` wanted keys, one stimulus
+        each, serving every other peer in between; the last call takes whatever is left
+        (work other clients submit meanwhile is forgotten too)."""
+        wanted = sum(len(cs.wants_what) for cs in self.state.clients.values())
+        last = wanted // RELEASE_SLICE_KEYS + 10  # then one call without a limit
+        for i in itertools.count():
+            final = i >= last
+            if not self._stimulus(client_id, "restart", self.state.restart,
+                                  max_keys=None if final else RELEASE_SLICE_KEYS):
+                return False
+            if final or not self.state.tasks:
+                return True
+            await asyncio.sleep(0)
+        return False  # not reached
 
     async def _restart_wait(self, client_id: str, reqid, n_before: int, mark: int,
                             started: float, timeout: float) -> None:

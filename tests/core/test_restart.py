@@ -137,3 +137,30 @@ def test_restart_validates_with_a_big_graph():
     assert len(client_msgs["c"][0]["keys"]) == 500
     assert state.tasks == {}
     state.validate_state()
+
+
+def test_restart_in_slices_drops_at_most_max_keys_wants_a_call():
+    sim = busy()
+    wanted = {c: sorted((ts.key for ts in cs.wants_what), key=repr)
+              for c, cs in sim.state.clients.items()}
+    told: dict = {}
+    calls = 0
+    while sim.state.tasks:
+        calls += 1
+        assert calls < 20
+        client_msgs, _ = sim.record(sim.state.restart(f"restart-{calls}", max_keys=2))
+        dropped = cancelled(client_msgs)
+        assert sum(len(keys) for keys in dropped.values()) <= 2
+        for client, keys in dropped.items():
+            told.setdefault(client, []).extend(keys)
+    assert {c: sorted(keys, key=repr) for c, keys in told.items()} == wanted
+    assert calls == 4  # 7 wanted keys, 2 a call
+    assert not any(sim.computing.values()) and not any(sim.data.values())
+    assert sim.state.restart("after", max_keys=2) == ({}, {})
+
+
+def test_restart_max_keys_must_be_a_positive_int():
+    sim = busy()
+    for bad in (0, -1, 1.5, "2", True, 2 ** 63, [2]):
+        assert_refused(sim.state, lambda: sim.state.restart("restart", max_keys=bad),
+                       match="max_keys must be a positive int")

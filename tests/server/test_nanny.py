@@ -244,12 +244,14 @@ def test_restart_cancels_every_future_and_the_workers_come_back(cluster, client)
     assert done.result(timeout=30) == 2
     in_flight = client.map(inc, range(6), delay=5, pure=False)
     wait_for(lambda: client.scheduler_info()["task_counts"]["processing"] >= 2)
+    many = client.map(inc, range(5_000), pure=False)  # forgotten in slices of 2,000
     old = set(workers(client))
     old_pids = {p.pid for p in children(cluster.main)}
     started = time.monotonic()
     assert client.restart(timeout=30) is client
     took = time.monotonic() - started
     print(f"\nclient.restart() with 2 workers: {took:.2f} s")
+    assert all(future.status == "cancelled" for future in many)
     for future in [done, *in_flight]:
         assert future.status == "cancelled"
         with pytest.raises(CancelledError, match="was cancelled: the cluster was restarted"):
