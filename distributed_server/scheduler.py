@@ -43,6 +43,8 @@ BLOB_MIN_BYTES = 64 * 1024
 NANNY_GRACE_SECONDS = 2.0
 #: Most worker addresses one nanny may name.
 MAX_NANNY_WORKERS = 4096
+#: Longest client id accepted; it must be printable (it appears in the log).
+MAX_CLIENT_ID = 256
 #: A client's batch is handled in turns of about this long; between turns the scheduler
 #: serves every other peer (a release of a million futures must not stall them).
 TURN_SECONDS = 0.02
@@ -251,7 +253,8 @@ class Scheduler:
 
     async def _serve_client(self, comm) -> None:
         client_id = comm.extra.get("client_id")
-        if not isinstance(client_id, str) or not client_id or client_id in self.client_comms:
+        if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID \
+                or not client_id.isprintable() or client_id in self.client_comms:
             text = f"bad or duplicate client_id {bounded_repr(client_id, 100)}"
             logger.warning("refusing client from %s: %s", comm.peer_address, text)
             await _refuse(comm, text)
