@@ -280,17 +280,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sim.record(self.state.retry("c1", [pick(erred, i)], self.sim.sid("retry")))
             self.remember_told()
 
-    @rule()
-    def cluster_restarts(self):
-        """Client.restart: every task is forgotten and every client told (at most once a
-        run: it empties the state, and later rules build it up again)."""
+    @rule(max_keys=st.sampled_from([None, 1, 3]))
+    def cluster_restarts(self, max_keys):
+        """Client.restart, whole or in slices: every task is forgotten and every client
+        told (at most once a run: it empties the state, and later rules build it up
+        again)."""
         if self.n_restarts:
             return
         self.n_restarts += 1
         wanted = {client: self.wanted(client) for client in ("c1", "c2")}
-        client_msgs, _ = self.sim.record(self.state.restart(self.sim.sid("restart")))
-        told = {client: sorted((k for msg in msgs for k in msg["keys"]), key=repr)
-                for client, msgs in client_msgs.items()}
+        told: dict = {}
+        for _ in range(1000):
+            client_msgs, _ = self.sim.record(self.state.restart(self.sim.sid("restart"),
+                                                                max_keys=max_keys))
+            for client, msgs in client_msgs.items():
+                told.setdefault(client, []).extend(k for msg in msgs for k in msg["keys"])
+            if not self.state.tasks:
+                break
+        told = {client: sorted(keys, key=repr) for client, keys in told.items()}
         assert told == {client: keys for client, keys in wanted.items() if keys}
         assert self.state.tasks == {}
         assert not any(self.sim.computing.values()) and not any(self.sim.data.values())
