@@ -105,6 +105,12 @@ SendMessage = namedtuple("SendMessage", ["msg"])
 StoreData = namedtuple("StoreData", ["key", "value"])
 ReleaseData = namedtuple("ReleaseData", ["key"])
 ReportHeld = namedtuple("ReportHeld", ["key"])
+_tuple_new = tuple.__new__  # builds an instruction without its Python-level __new__
+
+#: What an execution came to (``executions_done``).
+FINISHED = "finished"
+ERRED = "erred"
+SKIPPED = "skipped"
 
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 _INT64_MAX = 2 ** 63 - 1
@@ -230,21 +236,32 @@ def _check_resources(resources, what: str) -> object:
 
 
 @cython.cfunc
-def _as_priority(priority, what: str) -> tuple:
+def _as_priority(priority) -> tuple:
     """A priority as a tuple of numbers (lower runs first)."""
     if priority is None:
         return ()
     if type(priority) is int or type(priority) is float:
         priority = (priority,)
     if not isinstance(priority, _SEQUENCE) or len(priority) > 16:
-        raise InvalidStimulus(f"{what}: priority must be a list of numbers, not "
+        raise InvalidStimulus(f"priority must be a list of numbers, not "
                               f"{bounded_repr(priority)}")
     for part in priority:
         kind = type(part)
         if (kind is not int and kind is not float) or part != part:
-            raise InvalidStimulus(f"{what}: priority must be a list of numbers, not "
+            raise InvalidStimulus(f"priority must be a list of numbers, not "
                                   f"{bounded_repr(priority)}")
     return tuple(priority)
+
+
+@cython.cfunc
+def _is_plain_priority(priority: tuple) -> cython.bint:
+    """A tuple of up to 16 ints (what the scheduler sends)."""
+    if len(priority) > 16:
+        return False
+    for part in priority:
+        if type(part) is not int:
+            return False
+    return True
 
 
 @cython.cfunc
@@ -256,29 +273,41 @@ def _check_compute(msg) -> tuple:
     if "key" not in msg:
         raise InvalidStimulus("compute-task without a key")
     key = msg["key"]
-    what = f"compute-task {bounded_repr(key, 80)}"
     _check_key(key, "compute-task")
     spec = msg.get("spec")
-    if not isinstance(spec, _BYTES):
-        raise InvalidStimulus(f"{what}: spec must be bytes, not {bounded_repr(spec)}")
-    priority = _as_priority(msg.get("priority"), what)
+    priority = msg.get("priority")
     who_has = msg.get("who_has")
+    resources = msg.get("resources")
+    stimulus_id = msg.get("stimulus_id")
+    if type(spec) is bytes and type(priority) is tuple and who_has is None \
+            and resources is None and (stimulus_id is None or type(stimulus_id) is str) \
+            and _is_plain_priority(priority):
+        return key, spec, priority, None, None, stimulus_id  # the common case, quickly
+    try:  # the error names the key; built only when there is one
+        return _check_compute_fields(key, spec, priority, who_has, resources, stimulus_id)
+    except InvalidStimulus as exc:
+        raise InvalidStimulus(f"compute-task {bounded_repr(key, 80)}: {exc}") from None
+
+
+@cython.cfunc
+def _check_compute_fields(key, spec, priority, who_has, resources, stimulus_id) -> tuple:
+    if not isinstance(spec, _BYTES):
+        raise InvalidStimulus(f"spec must be bytes, not {bounded_repr(spec)}")
+    priority = _as_priority(priority)
     if who_has is not None:
         if type(who_has) is not dict:
-            raise InvalidStimulus(f"{what}: who_has must be a dict, not {bounded_repr(who_has)}")
+            raise InvalidStimulus(f"who_has must be a dict, not {bounded_repr(who_has)}")
         for dep, holders in who_has.items():
-            _check_key(dep, what)
+            _check_key(dep, "who_has")
             if dep == key:
-                raise InvalidStimulus(f"{what} depends on itself")
+                raise InvalidStimulus("it depends on itself")
             if not isinstance(holders, _SEQUENCE) or not all(
                     [isinstance(h, str) for h in holders]):
-                raise InvalidStimulus(f"{what}: the holders of {bounded_repr(dep, 80)} must "
-                                      f"be a list of addresses, not {bounded_repr(holders)}")
-    resources = _check_resources(msg.get("resources"), what)
-    stimulus_id = msg.get("stimulus_id")
+                raise InvalidStimulus(f"the holders of {bounded_repr(dep, 80)} must be a "
+                                      f"list of addresses, not {bounded_repr(holders)}")
+    resources = _check_resources(resources, "resources")
     if stimulus_id is not None and not isinstance(stimulus_id, str):
-        raise InvalidStimulus(f"{what}: stimulus_id must be a str, not "
-                              f"{bounded_repr(stimulus_id)}")
+        raise InvalidStimulus(f"stimulus_id must be a str, not {bounded_repr(stimulus_id)}")
     return key, spec, priority, who_has or None, resources, stimulus_id
 
 
@@ -294,6 +323,24 @@ def _check_report(report, op: str, key, what: str) -> None:
     if type(report) is not dict or report.get("op") != op or report.get("key") != key:
         raise InvalidStimulus(f"{what}: the report must be a {op!r} dict for "
                               f"{bounded_repr(key, 80)}, not {bounded_repr(report)}")
+
+
+@cython.cfunc
+def _check_outcome(outcome) -> None:
+    """One outcome of ``executions_done``, or InvalidStimulus."""
+    if type(outcome) is not tuple or len(outcome) != 4:
+        raise InvalidStimulus(f"executions_done: an outcome must be a tuple (key, kind, "
+                              f"value, report), not {bounded_repr(outcome)}")
+    key, kind, value, report = outcome
+    _check_key(key, "executions_done")
+    if kind == FINISHED:
+        _check_report(report, "task-finished", key, "executions_done")
+        _check_nbytes(report.get("nbytes", -1), "executions_done")
+    elif kind == ERRED:
+        _check_report(report, "task-erred", key, "executions_done")
+    elif kind != SKIPPED:
+        raise InvalidStimulus(f"executions_done: the kind of an outcome must be 'finished', "
+                              f"'erred' or 'skipped', not {bounded_repr(kind)}")
 
 
 def _zero_clock() -> float:
@@ -475,55 +522,54 @@ class WorkerCore:
         """An execution finished: ``value`` is the result, ``report`` the task-finished
         message built for it (``{"op": "task-finished", "key", "nbytes", ...}``).
         The result is kept (``StoreData``) if the task is still wanted or needed here."""
-        _check_str(stimulus_id, "stimulus_id")
-        _check_key(key, "execute_success")
-        _check_report(report, "task-finished", key, "execute_success")
-        nbytes = report.get("nbytes", -1)
-        _check_nbytes(nbytes, "execute_success")
-        self._begin(stimulus_id)
-        ts: WorkerTask = self._finish_execution(key)
-        if ts is not None:
-            if ts.state == EXECUTING:
-                if ts.check and self.cannot_travel is not None:
-                    self.cannot_travel.pop(key, None)  # it can travel after all
-                ts.run_spec = None
-                self._to_memory(ts, nbytes, value)
-                ts.reported = True
-                self._instructions.append(SendMessage(report))
-            elif ts.state == CANCELLED:
-                if self._needed(ts):
-                    self._to_memory(ts, nbytes, value)  # a copy for the tasks here
-                else:
-                    self._transition(ts, RELEASED)
-        return self._end()
+        return self.executions_done([(key, FINISHED, value, report)], stimulus_id)
 
     def execute_failure(self, key, report, stimulus_id) -> list:
         """An execution raised: ``report`` is the task-erred message built for it."""
-        _check_str(stimulus_id, "stimulus_id")
-        _check_key(key, "execute_failure")
-        _check_report(report, "task-erred", key, "execute_failure")
-        self._begin(stimulus_id)
-        ts: WorkerTask = self._finish_execution(key)
-        if ts is not None:
-            if ts.state == EXECUTING:
-                ts.run_spec = None
-                self._instructions.append(SendMessage(report))
-                self._transition(ts, RELEASED)
-            elif ts.state == CANCELLED:
-                self._transition(ts, RELEASED)
-        return self._end()
+        return self.executions_done([(key, ERRED, None, report)], stimulus_id)
 
     def execute_skipped(self, key, stimulus_id) -> list:
         """The executor skipped an execution because it was cancelled before it began.
         If a compute-task adopted it meanwhile, it runs again."""
+        return self.executions_done([(key, SKIPPED, None, None)], stimulus_id)
+
+    def executions_done(self, outcomes, stimulus_id) -> list:
+        """A burst of execution outcomes, in the order they happened: each
+        ``(key, "finished", value, task-finished report)``, ``(key, "erred", None,
+        task-erred report)`` or ``(key, "skipped", None, None)``. One stimulus for the
+        burst: the executions they make room for start in priority order."""
         _check_str(stimulus_id, "stimulus_id")
-        _check_key(key, "execute_skipped")
+        if not isinstance(outcomes, _SEQUENCE):
+            raise InvalidStimulus(f"executions_done: outcomes must be a list, not "
+                                  f"{bounded_repr(outcomes)}")
+        for outcome in outcomes:
+            _check_outcome(outcome)
         self._begin(stimulus_id)
-        ts: WorkerTask = self._finish_execution(key)
-        if ts is not None:
-            if ts.state == EXECUTING:
+        ts: WorkerTask
+        for key, kind, value, report in outcomes:
+            ts = self._finish_execution(key)
+            if ts is None:
+                continue  # stale: no execution of it was due
+            if kind == FINISHED:
+                if ts.state == EXECUTING:
+                    if ts.check and self.cannot_travel is not None:
+                        self.cannot_travel.pop(key, None)  # it can travel after all
+                    ts.run_spec = None
+                    self._to_memory(ts, report.get("nbytes", -1), value)
+                    ts.reported = True
+                    self._instructions.append(_tuple_new(SendMessage, (report,)))
+                elif self._needed(ts):
+                    self._to_memory(ts, report.get("nbytes", -1), value)  # a copy for here
+                else:
+                    self._transition(ts, RELEASED)
+            elif kind == ERRED:
+                if ts.state == EXECUTING:
+                    ts.run_spec = None
+                    self._instructions.append(_tuple_new(SendMessage, (report,)))
+                self._transition(ts, RELEASED)
+            elif ts.state == EXECUTING:  # skipped, and adopted since: run it again
                 self._transition(ts, WAITING)
-            elif ts.state == CANCELLED:
+            else:
                 self._transition(ts, RELEASED)
         return self._end()
 
@@ -679,7 +725,7 @@ class WorkerCore:
             size = nbytes.get(key, -1) if nbytes else -1
             if ts.state == MEMORY:
                 ts.nbytes = size
-                self._instructions.append(StoreData(key, value))
+                self._instructions.append(_tuple_new(StoreData, (key, value)))
             else:
                 self._to_memory(ts, size, value)
             ts.reported = True
@@ -705,7 +751,7 @@ class WorkerCore:
                      "text": text}))
             else:
                 ts.reported = True
-                self._instructions.append(ReportHeld(key))
+                self._instructions.append(_tuple_new(ReportHeld, (key,)))
             return
         if state == CANCELLED:
             ts.run_spec = spec
@@ -1117,7 +1163,7 @@ class WorkerCore:
         ts.who_has = None
         ts.failed = None
         ts.check = False
-        self._instructions.append(StoreData(ts.key, value))
+        self._instructions.append(_tuple_new(StoreData, (ts.key, value)))
         if ts.dependents is not None:
             for dts in ts.dependents:
                 if dts.state == WAITING:
@@ -1208,7 +1254,7 @@ class WorkerCore:
         ts.executing = True
         self.executing_tasks[ts] = None
         ts.check = self.cannot_travel is not None and ts.key in self.cannot_travel
-        self._instructions.append(Execute(ts.key))
+        self._instructions.append(_tuple_new(Execute, (ts.key,)))
 
     def _transition_ready_waiting(self, ts: WorkerTask) -> None:
         """An input left memory (only when everything is dropped)."""
@@ -1289,7 +1335,7 @@ class WorkerCore:
 
     def _transition_memory_released(self, ts: WorkerTask) -> None:
         dts: WorkerTask
-        self._instructions.append(ReleaseData(ts.key))
+        self._instructions.append(_tuple_new(ReleaseData, (ts.key,)))
         ts.state = RELEASED
         ts.reported = False
         ts.nbytes = -1

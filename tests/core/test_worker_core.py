@@ -102,6 +102,16 @@ def test_executions_of_one_batch_are_handed_out_in_priority_order():
     assert run(w, "t0") == [StoreData("t0", None), SendMessage(finished("t0")), Execute("t5")]
 
 
+def test_a_burst_of_outcomes_is_one_stimulus_and_makes_room_in_priority_order():
+    w = core(prefetch=2)
+    w.compute_tasks([compute(i, priority=(0, 0, i)) for i in range(6)], "s")
+    assert w.executions_done([(0, "finished", "a", finished(0)), (1, "erred", None, erred(1))],
+                             "burst") == [
+        StoreData(0, "a"), SendMessage(finished(0)), SendMessage(erred(1)),
+        Execute(2), Execute(3)]
+    assert states(w) == {0: "memory", 2: "executing", 3: "executing", 4: "ready", 5: "ready"}
+
+
 def test_at_most_prefetch_executions_are_handed_out():
     w = core(nthreads=1, prefetch=3)
     instructions = w.compute_tasks([compute(i, priority=(0, 0, i)) for i in range(10)], "s")
@@ -480,6 +490,9 @@ def test_remembered_failures_are_bounded():
     (lambda w: w.free_keys(["a"], 7), "stimulus_id"),
     (lambda w: w.execute_success("a", 1, {"op": "task-finished", "key": "b"}, "s"), "report"),
     (lambda w: w.execute_success("a", 1, dict(finished("a"), nbytes="big"), "s"), "nbytes"),
+    (lambda w: w.executions_done([("a", "finished", 1, finished("a")), ("a", "won", 1, None)],
+                                 "s"), "kind of an outcome"),
+    (lambda w: w.executions_done([("a", 1)], "s"), "must be a tuple"),
     (lambda w: w.fetch_done(A, [], [], "s"), "data must be a dict"),
     (lambda w: w.fetch_done(A, {}, [], "s", errors={"x": 1}), "must be a str"),
     (lambda w: w.serve_failed(["x"], "s"), "errors must be a dict"),

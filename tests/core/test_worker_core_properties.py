@@ -183,6 +183,25 @@ class WorkerMachine(RuleBasedStateMachine):
         else:
             self.call("execute_skipped", key, sid)
 
+    @precondition(lambda self: sum(self.executions.values()) > 1)
+    @rule(data=st.data())
+    def finish_burst(self, data):
+        running = sorted(k for k, n in self.executions.items() if n)
+        keys = data.draw(st.lists(st.sampled_from(running), min_size=2, unique=True))
+        outcomes = []
+        for key in keys:
+            self.executions[key] = 0
+            kind = data.draw(st.sampled_from(["finished", "erred", "skipped"]))
+            if kind == "finished":
+                outcomes.append((key, kind, f"value of {key}",
+                                 {"op": "task-finished", "key": key, "nbytes": 10}))
+            elif kind == "erred":
+                outcomes.append((key, kind, None, {"op": "task-erred", "key": key,
+                                                   "text": "boom"}))
+            else:
+                outcomes.append((key, kind, None, None))
+        self.call("executions_done", outcomes, self.sid("burst"))
+
     @precondition(lambda self: self.fetches)
     @rule(data=st.data())
     def answer_fetch(self, data):
