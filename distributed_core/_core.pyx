@@ -1048,7 +1048,8 @@ class SchedulerState:
         return self._end()
 
     def missing_data(self, worker, key, errant_worker, stimulus_id) -> tuple:
-        """``worker`` could not fetch ``key`` from ``errant_worker``.
+        """``worker`` could not fetch ``key`` from ``errant_worker``: that worker no
+        longer counts as a holder and is told to free the key.
 
         Only a worker that runs a task needing ``key`` (it was told to fetch it) may
         say so: anything else raises Unauthorized and changes nothing."""
@@ -1065,6 +1066,9 @@ class SchedulerState:
         if ts.state == MEMORY and ws is not None \
                 and ts.who_has is not None and ws in ts.who_has:
             self._remove_holder(ts, ws)
+            # No longer counted as a holder, it would keep its copy (if it has one)
+            # forever: no later free-keys would name it.
+            self._free_key(ws, ts.key)
             if ts.who_has is None:
                 self._transition(ts, RELEASED)
         return self._end()
