@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--host", default="127.0.0.1",
                            help="interface to listen on (0.0.0.0 for every interface)")
     scheduler.add_argument("--port", type=int, default=8786)
-    scheduler.add_argument("--worker-ttl", type=float, default=30.0,
+    scheduler.add_argument("--worker-ttl", type=float, default=300.0,
                            help="seconds of silence after which a worker is removed")
     scheduler.add_argument("--worker-saturation", type=float, default=1.1,
                            help="tasks per thread before root tasks queue (inf: no queue)")

@@ -85,7 +85,7 @@ class Scheduler:
     allows).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, worker_ttl: float = 30.0,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, worker_ttl: float = 300.0,
                  security: Security | None = None, insecure: bool = False,
                  validate: bool = False, worker_saturation: float = 1.1,
                  allowed_failures: int = 3, client_idle_timeout: float = 300.0,

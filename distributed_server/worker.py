@@ -1,52 +1,89 @@
-"""The Worker server: runs tasks in a thread pool, holds their results, serves them to peers.
+"""The Worker server: the shell around a worker's state machine (`distributed_core.WorkerCore`).
 
 What this module does
 ---------------------
+Every decision about a task (run it, fetch its inputs and from whom, keep or drop a
+value, what to tell the scheduler) is the state machine's: the shell turns what happens
+on sockets, threads and timers into its stimuli and carries out the instructions it
+returns (docs/protocol.md, section 1b). ``worker.data`` holds a value exactly while the
+machine has that key in memory.
+
 - Registers with the scheduler (handshake role ``"worker"``) and reads its batched
-  stream: ``compute-task``, ``free-keys`` and ``close``. Each frame is handled in one
-  pass of plain calls on the event loop; no asyncio Task is made per task.
-- Runs tasks on ``nthreads`` daemon executor threads. The loop keeps ready tasks in a
-  priority heap and feeds a thread-safe queue with a bounded prefetch, so a task that
-  arrives late with a high priority is never stuck behind thousands. A thread runs
-  ``loads_spec(spec)(deps)``, builds the report and appends the outcome to a deque;
-  one ``call_soon_threadsafe`` per burst of outcomes wakes the loop, which stores the
-  results in ``Worker.data`` and reports them through the batched ``Comm.send``, so
-  many reports share a frame.
-- Fetches dependencies it does not hold from peer workers: one ``get-data`` per peer
-  per burst, over pooled connections; a failing holder is replaced by the next one;
-  when none works the task goes back to the scheduler (``missing-data`` for each
-  failed holder, then ``reschedule``).
-- Serves peers and clients on its own listener: ``get-data``, ``put-data``, ``ping``.
+  stream: the ``compute-task`` messages of one frame are one ``compute_tasks`` stimulus
+  (their executions start in priority order), ``free-keys`` is ``free_keys``, ``close``
+  closes. No asyncio Task is made per task.
+- Runs tasks on ``nthreads`` daemon executor threads. ``Execute`` puts the task's spec
+  and its inputs' values on a thread-safe queue; the machine hands out at most
+  ``prefetch`` executions, so a late urgent task is never stuck behind thousands. A
+  thread runs ``loads_spec(spec)(inputs)``, builds the report (sized and, when small,
+  pickled inline, on the thread) and appends the outcome to a deque; one
+  ``call_soon_threadsafe`` per burst of outcomes wakes the loop, which turns each into
+  ``execute_success`` / ``execute_failure`` / ``execute_skipped`` (a task cancelled
+  before it began is skipped). Reports leave through the batched ``Comm.send``.
+- Fetches inputs from peer workers (``Fetch``: one ``get-data`` per peer and burst, over
+  pooled connections). Every transfer has a connect timeout, and each frame of the
+  answer a read timeout (``transfer_timeout``, 30 s by default), so a fetch from a hung
+  (SIGSTOPped) peer fails in bounded time and is planned again at once from the next
+  holder, or given back. Large values travel in parts of ``transfer_part_bytes`` (32 MiB)
+  each, so no frame comes near a frame limit.
+- Serves peers and clients on its own listener: ``get-data``, ``put-data`` (clients
+  only), ``ping``. A value it cannot serialize is reported missing with the reason
+  (``errors``) and dropped (``serve_failed``): the scheduler recomputes it, and the
+  recomputation must show that its result serializes, or the task fails with an error
+  naming the key, the type, the size and the cause, instead of looping.
 - Sends a heartbeat every ``heartbeat_interval``. On losing the scheduler it drops all
-  data and tasks (the scheduler will treat it as a new worker) and tries to register
-  again for ``reconnect_timeout`` seconds; then it shuts down.
+  data and tasks (``scheduler_lost``: the scheduler will treat it as a new worker) and
+  tries to register again for ``reconnect_timeout`` seconds; then it shuts down.
 
 What it never does
 ------------------
 - It never runs task code on the event loop: specs are unpickled and called, and
-  results sized (``sizeof``) and pickled for inline reports, on executor threads. Only
-  data transfers (``get-data``/``put-data`` payloads) are pickled and unpickled on the
-  loop.
-- It never runs a task twice for the same key while one execution is pending or its
-  result is held, and never keeps fetched copies the scheduler does not know about
-  once no pending task here needs them.
+  results sized and pickled for inline reports, on executor threads. Data transfers
+  (``get-data``/``put-data`` payloads) are pickled and unpickled on the loop.
+- It never decides a task's fate itself, and never changes the machine's state except
+  through a stimulus.
 - It never blocks process exit or hangs in ``close()``: executor threads are daemons
   and are waited for only briefly.
+
+Heartbeats and the GIL: a task that holds the GIL in one C call (``sum(range(10**9))``)
+stops every Python thread of the process, the loop and any heartbeat thread alike, so no
+heartbeat design inside the process can speak for it. What keeps such a worker alive is
+the scheduler's worker TTL, 300 s by default as dask's.
 """
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
-import random
+import os
 import socket
 import threading
 import time
 from collections import deque
 from queue import SimpleQueue
 
-from .comm import Blob, Comm, CommClosedError, ProtocolError, connect, listen, parse_address
+from distributed_core import (
+    Execute,
+    Fetch,
+    InvalidStimulus,
+    ReleaseData,
+    ReportHeld,
+    SendMessage,
+    StoreData,
+    WorkerCore,
+    bounded_repr,
+)
+
+from .comm import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Blob,
+    Comm,
+    CommClosedError,
+    ProtocolError,
+    connect,
+    listen,
+    parse_address,
+)
 from .security import Security, check_listen_security
 from .serialize import (
     dumps_data,
@@ -57,16 +94,9 @@ from .serialize import (
     sizeof,
 )
 
-__all__ = ["Worker"]
+__all__ = ["ResultCannotTravel", "Worker"]
 
 logger = logging.getLogger("distributed_server.worker")
-
-# Where a task stands on this worker.
-FETCHING = "fetching"  # waiting for dependencies from peers
-READY = "ready"  # in the priority heap
-CONSTRAINED = "constrained"  # ready, but the worker's free resources do not cover it
-RUNNING = "running"  # handed to the executor threads: queued there, or executing
-DONE = "done"  # finished, dropped or forgotten; stale heap entries are skipped
 
 # Worker status.
 CREATED, RUNNING_STATUS, CLOSING, CLOSED = "created", "running", "closing", "closed"
@@ -80,42 +110,22 @@ MAX_THREADS = 2**31 - 1
 #: A result's size is reported clamped to this: a broken __sizeof__ cannot make the
 #: scheduler refuse the report.
 MAX_REPORTED_NBYTES = 2**62
+#: Seconds a peer transfer may wait to connect, and for each frame of an answer.
+TRANSFER_TIMEOUT = 30.0
+#: The environment variable that sets the default transfer timeout (``dcore worker``).
+TRANSFER_TIMEOUT_ENV = "DCORE_TRANSFER_TIMEOUT"
+#: Values whose frames are larger than this travel to peer workers in parts of this size.
+TRANSFER_PART_BYTES = 32 * 1024 * 1024
+#: The most a single-frame get-data answer (one that did not ask for parts) may carry.
+SINGLE_FRAME_REPLY_BYTES = DEFAULT_MAX_FRAME_BYTES - 1024 * 1024
+
+# What an execution came to (the kinds of WorkerCore.executions_done).
+_SUCCESS, _FAILURE, _SKIPPED = "finished", "erred", "skipped"
+_EXECUTING = "executing"  # the machine's state of a task whose execution is wanted
 
 
-class _Job:
-    """One task this worker was asked to compute."""
-
-    __slots__ = ("borrowed", "cancelled", "deps", "key", "n_missing", "priority", "resources",
-                 "spec", "state")
-
-    def __init__(self, key, spec, priority: tuple, resources: dict | None) -> None:
-        self.key = key
-        self.spec = spec
-        self.priority = priority
-        self.resources = resources
-        self.deps: dict = {}  # dependency key -> value, filled before the job is ready
-        self.n_missing = 0  # dependencies still being fetched
-        self.borrowed: list | None = None  # fetched-copy keys this job keeps alive
-        self.state = FETCHING
-        # set by free-keys while RUNNING: the outcome is discarded unless a new
-        # compute-task for the key adopts the execution first
-        self.cancelled = False
-
-    def __repr__(self) -> str:
-        return f"<_Job {self.key!r} {self.state}{' cancelled' if self.cancelled else ''}>"
-
-
-class _Fetch:
-    """A dependency being fetched from peers, shared by every job that waits for it."""
-
-    __slots__ = ("failed", "holders", "in_flight", "key", "waiters")
-
-    def __init__(self, key) -> None:
-        self.key = key
-        self.holders: list = []  # addresses not tried yet
-        self.failed: list = []  # addresses that could not provide it
-        self.waiters: list = []  # jobs that need it
-        self.in_flight: str | None = None  # the peer asked right now
+class ResultCannotTravel(TypeError):
+    """A task's result cannot be serialized, so it cannot reach other workers or clients."""
 
 
 class _BadRequest(ValueError):
@@ -127,23 +137,36 @@ class Worker:
 
     ``await worker.start()`` listens for peers on ``host:port`` (port 0 picks a free
     one; ``worker.address`` tells which), then registers with the scheduler at
-    ``scheduler_address``. Results live in ``worker.data`` (key -> value).
-    ``resources`` (``{name: quantity}``) limit which tasks may run at once.
-    ``security`` holds the cluster's token and/or TLS files (``tls://`` addresses need
-    TLS): it is proven to the scheduler and to peers, and demanded of every peer that
-    connects here. Without credentials the worker listens only on loopback unless
-    ``insecure=True``.
-    ``connect_timeout`` bounds connecting to the scheduler at start and to a peer.
+    ``scheduler_address``. Results live in ``worker.data`` (key -> value); the task
+    lifecycle is ``worker.state``, a `distributed_core.WorkerCore` (``state.story(key)``
+    tells what happened to a key). ``resources`` (``{name: quantity}``) limit which
+    tasks may run at once. ``security`` holds the cluster's token and/or TLS files
+    (``tls://`` addresses need TLS): it is proven to the scheduler and to peers, and
+    demanded of every peer that connects here. Without credentials the worker listens
+    only on loopback unless ``insecure=True``. ``connect_timeout`` bounds connecting to
+    the scheduler at start and to a peer; ``transfer_timeout`` (default 30 s, or
+    ``DCORE_TRANSFER_TIMEOUT`` from the environment) bounds connecting to a peer and
+    each frame of a transfer, both ways. ``validate`` checks the state
+    machine's invariants after every stimulus (tests).
     """
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name=None,
                  resources: dict | None = None, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_interval: float = 1.0, reconnect_timeout: float = 10.0,
                  security: Security | None = None, *, insecure: bool = False,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, transfer_timeout: float | None = None,
+                 transfer_part_bytes: int = TRANSFER_PART_BYTES,
+                 validate: bool = False) -> None:
         if type(nthreads) is not int or not 1 <= nthreads <= MAX_THREADS:
             raise ValueError(f"nthreads must be an int from 1 to {MAX_THREADS}, "
                              f"got {nthreads!r}")
+        if transfer_timeout is None:
+            transfer_timeout = float(os.environ.get(TRANSFER_TIMEOUT_ENV) or TRANSFER_TIMEOUT)
+        if not transfer_timeout > 0:
+            raise ValueError(f"transfer_timeout must be positive, got {transfer_timeout!r}")
+        if type(transfer_part_bytes) is not int or transfer_part_bytes < 1:
+            raise ValueError(f"transfer_part_bytes must be a positive int, got "
+                             f"{transfer_part_bytes!r}")
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "worker")
         if parse_address(scheduler_address)[0] != self.security.scheme:
@@ -158,28 +181,26 @@ class Worker:
         self.heartbeat_interval = heartbeat_interval
         self.reconnect_timeout = reconnect_timeout
         self.connect_timeout = connect_timeout
+        self.transfer_timeout = transfer_timeout
+        self.transfer_part_bytes = transfer_part_bytes
+        #: The most a get-data answer of one frame may carry (peers that do not ask for
+        #: parts: clients). A larger value is reported missing with the reason.
+        self.single_frame_reply_bytes = SINGLE_FRAME_REPLY_BYTES
+        #: The frame limit of this worker's connections to peers.
+        self.peer_max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
+        self.validate = validate
         self.address = ""
         self.status = CREATED
         self.data: dict = {}
-
-        self._jobs: dict = {}  # key -> _Job not yet reported (including cancelled RUNNING ones)
-        self._ready: list = []  # heap of (priority, sequence number, _Job)
-        self._sequence = itertools.count()
-        self._constrained: list = []  # READY jobs waiting for resources
-        self._free_resources = dict(self.resources)
-        self._prefetch = max(4 * nthreads, 64)
-        self._n_handed = 0  # jobs handed to the threads whose outcome is not drained yet
+        self.state: WorkerCore | None = None  # made at start, once the address is known
 
         self._queue: SimpleQueue = SimpleQueue()  # jobs (or None: stop) for the threads
-        self._outcomes: deque = deque()  # (job, report or None, value) from the threads
+        self._outcomes: deque = deque()  # (key, kind, value, report) from the threads
         self._wake_pending = False  # a call_soon_threadsafe to drain outcomes is queued
         self._stopping = False  # threads skip queued jobs and exit
         self._threads: list = []
+        self._bursts = itertools.count()
 
-        self._fetches: dict = {}  # dependency key -> _Fetch
-        self._to_fetch: set = set()  # dependency keys that need a request
-        self._fetched_keys: set = set()  # keys in data that are only copies for our deps
-        self._borrowers: dict = {}  # fetched key -> number of pending jobs using it
         self._peer_pool: dict = {}  # peer address -> idle Comms
         self._served: set = set()  # comms of peers we answer
         self._background: set = set()  # fetch tasks (one per peer per burst)
@@ -191,15 +212,11 @@ class Worker:
         self._heartbeat_handle: asyncio.TimerHandle | None = None
         self._close_requested = False
         self._finished = asyncio.Event()
-        self._handlers = {
-            "compute-task": self._compute_task,
-            "free-keys": self._free_keys,
-            "close": self._close_request,
-        }
 
     def __repr__(self) -> str:
+        tasks = len(self.state.tasks) if self.state is not None else 0
         return (f"<Worker {self.address or 'not started'} {self.status} "
-                f"nthreads={self.nthreads} data={len(self.data)} tasks={len(self._jobs)}>")
+                f"nthreads={self.nthreads} data={len(self.data)} tasks={tasks}>")
 
     # ------------------------------------------------------------------ life cycle
 
@@ -215,6 +232,9 @@ class Worker:
         self.address = _join_address(scheme, _contact_host(self.host, self.scheduler_address),
                                      bound_port)
         self._listener.set_handshake_info(address=self.address)  # known once bound
+        self.state = WorkerCore(self.address, self.nthreads, resources=self.resources or None,
+                                validate=self.validate, clock=time.time,
+                                seed=hash(self.address) & 0xFFFFFFFF)
         self._start_threads()
         self.status = RUNNING_STATUS
         try:
@@ -252,7 +272,8 @@ class Worker:
             comm.abort()
         self._peer_pool.clear()
         await self._stop_threads()
-        self._drop_everything()
+        self._stimulus(self.state.scheduler_lost, "worker-closing")
+        self.data.clear()
         self.status = CLOSED
         self._finished.set()
         logger.info("worker %s closed", self.address)
@@ -284,6 +305,53 @@ class Worker:
         return {"role": "worker", "address": self.address, "nthreads": self.nthreads,
                 "name": self.name, "resources": self.resources}
 
+    # ------------------------------------------------------------------ stimuli in, instructions out
+
+    def _stimulus(self, method, *args, **kwargs) -> bool:
+        """Call one stimulus of the state machine and carry out its instructions.
+
+        False if the machine refused the input (logged as a warning: the sender's
+        fault) or failed (logged as a bug, with the stimulus; the next stimulus
+        carries out what it left pending)."""
+        try:
+            instructions = method(*args, **kwargs)
+        except InvalidStimulus as exc:
+            logger.warning("worker %s refused %s: %s", self.address, method.__name__, exc)
+            return False
+        except Exception:
+            logger.exception("BUG: worker %s: stimulus %s%.300r failed", self.address,
+                             method.__name__, args)
+            return False
+        self._apply(instructions)
+        return True
+
+    def _apply(self, instructions: list) -> None:
+        """Carry out the machine's instructions, in order."""
+        data = self.data
+        send = self._send
+        tasks = self.state.tasks
+        put = self._queue.put
+        for ins in instructions:
+            kind = type(ins)
+            if kind is SendMessage:
+                send(ins[0])
+            elif kind is StoreData:
+                data[ins[0]] = ins[1]
+            elif kind is Execute:  # to the threads, with its spec and its inputs' values
+                ts = tasks[ins[0]]
+                deps = ts.dependencies
+                inputs = {dep.key: data[dep.key] for dep in deps} if deps else {}
+                put((ins[0], ts, ts.run_spec, inputs, ts.check))
+            elif kind is ReleaseData:
+                data.pop(ins[0], None)
+            elif kind is Fetch:
+                self._start_fetch(ins.peer, ins.keys)
+            elif kind is ReportHeld:
+                now = time.time()
+                send(_finished_report(ins.key, data[ins.key], now, now))
+            else:  # pragma: no cover - the machine makes only the kinds above
+                raise TypeError(f"unknown instruction {ins!r}")
+
     # ------------------------------------------------------------------ scheduler stream
 
     def _attach(self, comm: Comm) -> None:
@@ -304,7 +372,7 @@ class Worker:
                     logger.warning("worker %s lost the scheduler at %s (%s); dropping all "
                                    "data and tasks, reconnecting for up to %.1fs", self.address,
                                    self.scheduler_address, exc, self.reconnect_timeout)
-                    self._drop_everything()
+                    self._stimulus(self.state.scheduler_lost, "scheduler-lost")
                     if not await self._reconnect():
                         break
                     continue
@@ -347,22 +415,58 @@ class Worker:
         return False
 
     def _handle_batch(self, msgs: list) -> None:
-        """Apply one frame of scheduler messages, then start what they made runnable."""
-        handlers = self._handlers
+        """Apply one frame of scheduler messages: its compute-tasks as one stimulus."""
+        computes: list = []
         for msg in msgs:
-            handler = handlers.get(msg["op"])
-            if handler is None:
-                logger.warning("worker %s ignores unknown operation %r from the scheduler",
-                               self.address, msg["op"])
+            op = msg.get("op")
+            if op == "compute-task":
+                computes.append(msg)
                 continue
-            try:
-                handler(msg)
-            except Exception:
-                logger.exception("worker %s could not apply %r from the scheduler",
-                                 self.address, msg["op"])
-        self._feed()
-        if self._to_fetch:
-            self._start_fetches()
+            if computes:
+                self._compute_tasks(computes)
+                computes = []
+            if op == "free-keys":
+                self._stimulus(self.state.free_keys, msg.get("keys"),
+                               msg.get("stimulus_id") or "free-keys")
+            elif op == "close":
+                self._close_requested = True
+            else:
+                logger.warning("worker %s ignores unknown operation %r from the scheduler",
+                               self.address, op)
+        if computes:
+            self._compute_tasks(computes)
+
+    def _compute_tasks(self, msgs: list) -> None:
+        """One stimulus for the compute-tasks of a frame; if the machine refuses the
+        batch, one per message, so only the bad ones are dropped (and logged)."""
+        for msg in msgs:
+            resources = msg.get("resources")
+            if type(resources) is dict and resources:
+                self._check_resources(msg.get("key"), resources)
+        sid = msgs[-1].get("stimulus_id")
+        if not isinstance(sid, str):
+            sid = "compute-task"
+        try:
+            instructions = self.state.compute_tasks(msgs, sid)
+        except InvalidStimulus:
+            if len(msgs) == 1:
+                self._stimulus(self.state.compute_tasks, msgs, sid)
+                return
+            for msg in msgs:
+                self._stimulus(self.state.compute_tasks, [msg], sid)
+            return
+        except Exception:
+            logger.exception("BUG: worker %s: compute_tasks of %d messages failed",
+                             self.address, len(msgs))
+            return
+        self._apply(instructions)
+
+    def _check_resources(self, key, resources: dict) -> None:
+        short = {name: qty for name, qty in resources.items()
+                 if not isinstance(qty, (int, float)) or self.resources.get(name, 0) < qty}
+        if short:
+            logger.warning("worker %s: task %r needs resources %s but the worker has only %s;"
+                           " it will never run here", self.address, key, short, self.resources)
 
     def _send(self, msg: dict) -> None:
         """Queue a message on the scheduler stream; dropped if the stream is down."""
@@ -377,141 +481,7 @@ class Worker:
         self._send({"op": "heartbeat"})
         self._heartbeat_handle = self._loop.call_later(self.heartbeat_interval, self._heartbeat)
 
-    def _close_request(self, msg: dict) -> None:
-        self._close_requested = True
-
-    # ------------------------------------------------------------------ compute-task / free-keys
-
-    def _compute_task(self, msg: dict) -> None:
-        key = msg["key"]
-        if key in self.data:
-            self._report_held(key)
-            return
-        job = self._jobs.get(key)
-        if job is not None:
-            job.cancelled = False  # a pending or running execution serves this request
-            return
-        resources = msg.get("resources") or None
-        if resources is not None:
-            self._check_resources(key, resources)
-        job = _Job(key, msg["spec"], _as_priority(msg.get("priority", ())), resources)
-        self._jobs[key] = job
-        who_has = msg.get("who_has")
-        if who_has:
-            self._collect_deps(job, who_has)
-        if job.n_missing == 0:
-            self._make_ready(job)
-
-    def _report_held(self, key) -> None:
-        """Asked to compute a key already in memory: report the value held."""
-        self._fetched_keys.discard(key)  # the scheduler knows about it now
-        now = time.time()
-        self._send(_finished_report(key, self.data[key], now, now))
-
-    def _check_resources(self, key, resources: dict) -> None:
-        short = {name: qty for name, qty in resources.items()
-                 if self.resources.get(name, 0) < qty}
-        if short:
-            logger.warning("worker %s: task %r needs resources %s but the worker has only %s;"
-                           " it will never run here", self.address, key, short, self.resources)
-
-    def _free_keys(self, msg: dict) -> None:
-        data, jobs = self.data, self._jobs
-        for key in msg["keys"]:
-            data.pop(key, None)
-            self._fetched_keys.discard(key)
-            job = jobs.get(key)
-            if job is None:
-                continue
-            if job.state == RUNNING:
-                job.cancelled = True
-            else:
-                self._forget(job)
-
-    def _forget(self, job: _Job) -> None:
-        """Drop a job that is not running (its heap entry, if any, is skipped later)."""
-        if self._jobs.get(job.key) is job:
-            del self._jobs[job.key]
-        if job.state == FETCHING and job.borrowed:
-            for dep in job.borrowed:
-                fetch = self._fetches.get(dep)
-                if fetch is not None and job in fetch.waiters:
-                    fetch.waiters.remove(job)
-        elif job.state == CONSTRAINED:
-            self._constrained.remove(job)
-        job.state = DONE
-        self._release_borrowed(job)
-
-    def _drop_everything(self) -> None:
-        """Forget all data and tasks; running executions are cancelled, not waited for."""
-        self.data.clear()
-        self._fetched_keys.clear()
-        self._borrowers.clear()
-        running = {}
-        for key, job in self._jobs.items():
-            job.borrowed = None
-            if job.state == RUNNING:
-                job.cancelled = True
-                running[key] = job
-            else:
-                job.state = DONE
-        self._jobs = running
-        self._ready.clear()
-        self._constrained.clear()
-        self._to_fetch.clear()
-        for dep, fetch in list(self._fetches.items()):
-            fetch.waiters.clear()
-            fetch.holders.clear()
-            fetch.failed.clear()
-            if fetch.in_flight is None:
-                del self._fetches[dep]
-
     # ------------------------------------------------------------------ execution
-
-    def _make_ready(self, job: _Job) -> None:
-        job.state = READY
-        heapq.heappush(self._ready, (job.priority, next(self._sequence), job))
-
-    def _feed(self) -> None:
-        """Hand the best ready jobs to the threads, up to the prefetch bound."""
-        ready = self._ready
-        handed = self._n_handed
-        limit = self._prefetch
-        if not ready or handed >= limit or self._stopping:
-            return
-        put = self._queue.put
-        heappop = heapq.heappop
-        while ready and handed < limit:
-            job = heappop(ready)[2]
-            if job.state != READY:
-                continue
-            if job.resources is not None and not self._acquire(job.resources):
-                job.state = CONSTRAINED
-                self._constrained.append(job)
-                continue
-            job.state = RUNNING
-            handed += 1
-            put(job)
-        self._n_handed = handed
-
-    def _acquire(self, resources: dict) -> bool:
-        free = self._free_resources
-        for name, qty in resources.items():
-            if free.get(name, 0) < qty:
-                return False
-        for name, qty in resources.items():
-            free[name] -= qty
-        return True
-
-    def _release_resources(self, resources: dict) -> None:
-        free = self._free_resources
-        for name, qty in resources.items():
-            free[name] += qty
-        # constrained jobs go back to the heap; _feed holds back those still not covered
-        for job in self._constrained:
-            job.state = READY
-            heapq.heappush(self._ready, (job.priority, next(self._sequence), job))
-        self._constrained.clear()
 
     def _start_threads(self) -> None:
         for i in range(self.nthreads):
@@ -530,8 +500,8 @@ class Worker:
             job = get()
             if job is None:
                 return
-            if job.cancelled or self._stopping:
-                append((job, None, None))  # skipped: not started
+            if self._stopping or job[1].state != _EXECUTING:
+                append((job[0], _SKIPPED, None, None))  # cancelled before it began
             else:
                 append(_run_job(job))
             if not self._wake_pending:
@@ -542,49 +512,29 @@ class Worker:
                     return
 
     def _drain_outcomes(self) -> None:
-        """On the loop: store and report every outcome the threads have produced."""
+        """On the loop: the outcomes the threads produced, as one stimulus."""
         # cleared before draining: an outcome appended from now on schedules a new call
         self._wake_pending = False
         outcomes = self._outcomes
         if self.status != RUNNING_STATUS:
             outcomes.clear()
             return
-        data, fetched = self.data, self._fetched_keys
-        comm = self._scheduler_comm
-        send = comm.send if comm is not None and not comm.closed else None
-        drained = 0
-        released = False
+        burst = []
         while outcomes:
-            job, report, value = outcomes.popleft()
-            drained += 1
-            if job.resources is not None:
-                self._release_resources(job.resources)
-                released = True
-            if job.cancelled or job.state != RUNNING:
-                self._finish(job)
-            elif report is None:  # skipped while cancelled, then adopted again: rerun it
-                self._make_ready(job)
-            else:
-                self._finish(job)
-                if report["op"] == "task-finished":
-                    data[job.key] = value
-                    if fetched:  # computed here while a copy was fetched: ours now
-                        fetched.discard(job.key)
-                if send is not None:
-                    try:
-                        send(report)
-                    except CommClosedError:
-                        send = None
-        self._n_handed -= drained
-        if released or self._ready:
-            self._feed()
-
-    def _finish(self, job: _Job) -> None:
-        if self._jobs.get(job.key) is job:
-            del self._jobs[job.key]
-        job.state = DONE
-        if job.borrowed is not None:
-            self._release_borrowed(job)
+            burst.append(outcomes.popleft())
+        sid = f"executor-{next(self._bursts)}"
+        try:
+            instructions = self.state.executions_done(burst, sid)
+        except InvalidStimulus:  # one by one, so that only the bad one is lost (logged)
+            for outcome in burst:
+                self._stimulus(self.state.executions_done, [outcome], sid)
+            return
+        except Exception:
+            logger.exception("BUG: worker %s: stimulus executions_done %s failed",
+                             self.address, sid)
+            return
+        del burst
+        self._apply(instructions)
 
     async def _stop_threads(self) -> None:
         """Tell the threads to stop; wait briefly for those busy with a task."""
@@ -599,137 +549,82 @@ class Worker:
             logger.warning("worker %s: %d executor thread(s) still running a task; left "
                            "behind as daemon threads", self.address, busy)
 
-    # ------------------------------------------------------------------ dependencies
+    # ------------------------------------------------------------------ fetching from peers
 
-    def _collect_deps(self, job: _Job, who_has: dict) -> None:
-        """Take local dependencies now; register the job as waiting for the others."""
-        data = self.data
-        for dep, holders in who_has.items():
-            if dep in data:
-                job.deps[dep] = data[dep]
-                if dep in self._fetched_keys:
-                    self._borrow(job, dep)
-                continue
-            self._borrow(job, dep)
-            job.n_missing += 1
-            fetch = self._fetches.get(dep)
-            if fetch is None:
-                fetch = self._fetches[dep] = _Fetch(dep)
-            fetch.waiters.append(job)
-            for holder in holders:
-                if holder == self.address:  # the scheduler thinks we hold it; we do not
-                    if holder not in fetch.failed:
-                        fetch.failed.append(holder)
-                elif holder not in fetch.holders and holder not in fetch.failed:
-                    fetch.holders.append(holder)
-            if fetch.in_flight is None:
-                self._to_fetch.add(dep)
+    def _start_fetch(self, peer: str, keys: list) -> None:
+        task = self._loop.create_task(self._fetch_from(peer, keys))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    def _borrow(self, job: _Job, dep) -> None:
-        self._borrowers[dep] = self._borrowers.get(dep, 0) + 1
-        if job.borrowed is None:
-            job.borrowed = [dep]
-        else:
-            job.borrowed.append(dep)
-
-    def _release_borrowed(self, job: _Job) -> None:
-        """The job is gone: drop fetched copies that no other pending job needs."""
-        if not job.borrowed:
-            return
-        borrowers = self._borrowers
-        for dep in job.borrowed:
-            count = borrowers.get(dep, 0) - 1
-            if count > 0:
-                borrowers[dep] = count
-                continue
-            borrowers.pop(dep, None)
-            if dep in self._fetched_keys:
-                self._fetched_keys.discard(dep)
-                self.data.pop(dep, None)
-        job.borrowed = None
-
-    def _start_fetches(self) -> None:
-        """Ask one holder for each wanted dependency: one request per peer."""
-        to_fetch, self._to_fetch = self._to_fetch, set()
-        by_peer: dict = {}
-        for dep in to_fetch:
-            fetch = self._fetches.get(dep)
-            if fetch is None or fetch.in_flight is not None:
-                continue
-            if not fetch.waiters:
-                del self._fetches[dep]
-                continue
-            peer = _pick_holder(fetch.holders, by_peer)
-            if peer is None:
-                self._give_up(fetch)
-                continue
-            fetch.holders.remove(peer)
-            fetch.in_flight = peer
-            by_peer.setdefault(peer, []).append(dep)
-        for peer, deps in by_peer.items():
-            task = self._loop.create_task(self._fetch_from(peer, deps))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _fetch_from(self, peer: str, deps: list) -> None:
-        """One get-data request to one peer; then hand the outcome to _fetch_done."""
-        values: dict = {}
+    async def _fetch_from(self, peer: str, keys: list) -> None:
+        """One get-data request to one peer, every step within ``transfer_timeout``;
+        then its outcome becomes a stimulus."""
+        timeout = self.transfer_timeout
         comm = None
+        failure: BaseException | None = None
         try:
             comm = await self._peer_comm(peer)
-            await comm.write([{"op": "get-data", "keys": deps}])
-            reply = (await comm.read())[0]
-            if reply["op"] != "data":
-                raise _BadRequest(f"get-data answered with {reply['op']!r}")
+            await asyncio.wait_for(
+                comm.write([{"op": "get-data", "keys": keys, "parts": True}]), timeout)
+            frames, missing, nbytes, errors = await self._read_data_reply(comm, keys)
             self._return_peer_comm(peer, comm)
             comm = None
-            for key, frames in reply["data"].items():
-                values[key] = loads_data(frames)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure means: try another holder
-            logger.warning("worker %s could not fetch %d key(s) from %s: %s: %s",
-                           self.address, len(deps), peer, type(exc).__name__, exc)
+            failure = exc
         finally:
             if comm is not None:  # a failed exchange leaves the connection unusable
                 comm.abort()
-        if self.status == RUNNING_STATUS:
-            self._fetch_done(peer, deps, values)
+        if self.status != RUNNING_STATUS:
+            return
+        if failure is not None:
+            logger.warning("worker %s could not fetch %d key(s) from %s: %s", self.address,
+                           len(keys), peer, _describe(failure))
+            if _refused(failure):
+                self._stimulus(self.state.peer_gone, peer, f"peer-gone-{peer}")
+            self._stimulus(self.state.fetch_failed, peer, keys, f"fetch-failed-{peer}")
+            return
+        values: dict = {}
+        for key, parts in frames.items():
+            try:
+                values[key] = loads_data(parts)
+            except Exception as exc:  # noqa: BLE001 - this key only: try another holder
+                logger.warning("worker %s cannot deserialize %r from %s: %s", self.address,
+                               key, peer, _describe(exc))
+        missing = [key for key in keys if key not in values]
+        self._stimulus(self.state.fetch_done, peer, values, missing, f"fetched-{peer}",
+                       nbytes=nbytes or None, errors=errors or None)
 
-    def _fetch_done(self, peer: str, deps: list, values: dict) -> None:
-        for dep in deps:
-            fetch = self._fetches.get(dep)
-            if fetch is None or fetch.in_flight != peer:
-                continue
-            fetch.in_flight = None
-            if dep not in values:
-                fetch.failed.append(peer)
-                self._to_fetch.add(dep)
-                continue
-            del self._fetches[dep]
-            if not fetch.waiters:
-                continue  # nobody needs it any more
-            value = self.data.get(dep, values[dep])
-            if dep not in self.data:
-                self.data[dep] = value
-                self._fetched_keys.add(dep)
-            for job in fetch.waiters:
-                job.deps[dep] = value
-                job.n_missing -= 1
-                if job.n_missing == 0:
-                    self._make_ready(job)
-        if self._to_fetch:
-            self._start_fetches()
-        self._feed()
-
-    def _give_up(self, fetch: _Fetch) -> None:
-        """No holder could provide a dependency: give its waiting tasks back."""
-        del self._fetches[fetch.key]
-        logger.warning("worker %s: no holder could provide %r (failed: %s); rescheduling %d "
-                       "task(s)", self.address, fetch.key, fetch.failed, len(fetch.waiters))
-        for errant in fetch.failed:
-            self._send({"op": "missing-data", "key": fetch.key, "errant_worker": errant})
-        for job in list(fetch.waiters):
-            self._send({"op": "reschedule", "key": job.key})
-            self._forget(job)
+    async def _read_data_reply(self, comm: Comm, keys: list) -> tuple:
+        """The answer to a get-data that asked for parts: ``(frames by key, missing,
+        nbytes, errors)``. Each frame read must arrive within ``transfer_timeout``."""
+        timeout = self.transfer_timeout
+        reply = (await asyncio.wait_for(comm.read(), timeout))[0]
+        if reply.get("op") != "data" or type(reply.get("data")) is not dict:
+            raise _BadRequest(f"get-data answered with {reply.get('op')!r}")
+        frames = dict(reply["data"])
+        parts = reply.get("parts") or {}
+        if type(parts) is not dict:
+            raise _BadRequest("get-data answered with malformed parts")
+        for key, lengths in parts.items():
+            buffers = []
+            for length in lengths:
+                buffer = bytearray()  # grows as parts arrive, never to the announced size
+                while len(buffer) < length:
+                    part = (await asyncio.wait_for(comm.read(), timeout))[0]
+                    if part.get("op") != "data-part" or part.get("key") != key:
+                        raise _BadRequest(f"expected a part of {key!r}, got {part.get('op')!r}")
+                    buffer += part["blob"]
+                    if len(buffer) > length:
+                        raise _BadRequest(f"the parts of {key!r} exceed {length} bytes")
+                buffers.append(buffer)
+            frames[key] = buffers
+        nbytes = reply.get("nbytes")
+        errors = reply.get("errors")
+        return (frames, reply.get("missing") or (),
+                nbytes if type(nbytes) is dict else None,
+                errors if type(errors) is dict else None)
 
     async def _peer_comm(self, peer: str) -> Comm:
         idle = self._peer_pool.get(peer)
@@ -738,8 +633,8 @@ class Worker:
             if not comm.closed:
                 return comm
         return await connect(peer, {"role": "worker", "address": self.address},
-                             timeout=self.connect_timeout,
-                             security=self.security)
+                             timeout=min(self.connect_timeout, self.transfer_timeout),
+                             security=self.security, max_frame_bytes=self.peer_max_frame_bytes)
 
     def _return_peer_comm(self, peer: str, comm: Comm) -> None:
         idle = self._peer_pool.setdefault(peer, [])
@@ -751,77 +646,150 @@ class Worker:
     # ------------------------------------------------------------------ serving peers
 
     async def _serve_peer(self, comm: Comm) -> None:
-        """Answer a peer's requests, one reply frame per request frame."""
+        """Answer a peer's requests, one reply frame per request frame (then the parts
+        of large values, for a get-data that asked for them)."""
         self._served.add(comm)
+        timeout = self.transfer_timeout
         try:
             while True:
                 msgs = await comm.read()
-                await comm.write([self._answer(comm, msg) for msg in msgs])
+                replies, parts = [], []
+                for msg in msgs:
+                    reply, more = self._answer(comm, msg)
+                    replies.append(reply)
+                    parts.extend(more)
+                await asyncio.wait_for(comm.write(replies), timeout)
+                del replies
+                for msg in _parts(parts, self.transfer_part_bytes):
+                    await asyncio.wait_for(comm.write([msg]), timeout)
+                del parts
         except ProtocolError as exc:
             logger.warning("worker %s: closing connection from %s: %s",
-                         self.address, comm.peer_address, exc)
-        except CommClosedError:
-            pass
+                           self.address, comm.peer_address, exc)
+        except (CommClosedError, asyncio.TimeoutError, TimeoutError) as exc:
+            if not isinstance(exc, CommClosedError):
+                logger.warning("worker %s: %s took no data for %.1fs; closing the connection",
+                               self.address, comm.peer_address, timeout)
         except Exception as exc:  # noqa: BLE001 - a bad request closes this connection only
-            logger.warning("worker %s: closing connection from %s after a bad request: %s: %s",
-                         self.address, comm.peer_address, type(exc).__name__, exc)
+            logger.warning("worker %s: closing connection from %s after a bad request: %s",
+                           self.address, comm.peer_address, _describe(exc))
         finally:
             self._served.discard(comm)
             comm.abort()
 
-    def _answer(self, comm: Comm, msg: dict) -> dict:
+    def _answer(self, comm: Comm, msg: dict) -> tuple:
+        """``(reply, parts to send after it)`` for one request."""
         op = msg["op"]
         if op == "get-data":
             return self._get_data(msg)
         if op == "put-data":
             if comm.extra.get("role") != "client":  # workers only ever read from peers
                 raise _BadRequest(f"put-data from a {comm.extra.get('role')!r} connection")
-            return self._put_data(msg)
+            return self._put_data(msg), ()
         if op == "ping":
-            return {"op": "pong"}
+            return {"op": "pong"}, ()
         raise _BadRequest(f"unknown operation {op!r}")
 
-    def _get_data(self, msg: dict) -> dict:
+    def _get_data(self, msg: dict) -> tuple:
+        """The answer to get-data: ``({"op": "data", "data", "missing", ...}, parts)``.
+
+        With ``"parts": true`` (workers), values larger than ``transfer_part_bytes`` are
+        announced in ``parts`` (``{key: [frame lengths]}``) and follow as ``data-part``
+        frames; without it (clients), the answer is one frame, and a value that would
+        make it larger than ``single_frame_reply_bytes`` is reported missing with the
+        reason in ``errors``. A value that cannot be serialized is reported missing with
+        the reason, and dropped (``serve_failed``)."""
         keys = msg.get("keys")
         if not isinstance(keys, (list, tuple)):
             raise _BadRequest("'get-data' needs a list of 'keys'")
-        data, missing = {}, []
+        in_parts = msg.get("parts") is True
+        budget = self.transfer_part_bytes if in_parts else self.single_frame_reply_bytes
+        data, missing, parts, announced, nbytes = {}, [], [], {}, {}
+        errors: dict = {}
+        failed: dict = {}
+        tasks = self.state.tasks
+        inline = 0
         for key in keys:
-            if key not in self.data:
+            try:
+                value = self.data[key]
+            except (KeyError, TypeError):
                 missing.append(key)
                 continue
             try:
-                data[key] = [Blob(frame) for frame in dumps_data(self.data[key])]
-            except Exception:  # an unpicklable value is reported missing
-                logger.exception("worker %s cannot serialize %r", self.address, key)
+                frames = dumps_data(value)
+            except Exception as exc:  # noqa: BLE001 - the value cannot travel: say why
                 missing.append(key)
-        return {"op": "data", "data": data, "missing": missing}
+                errors[key] = failed[key] = _cannot_travel_text(key, value, exc)
+                continue
+            size = sum(memoryview(frame).nbytes for frame in frames)
+            ts = tasks.get(key)
+            if ts is not None and ts.nbytes >= 0:
+                nbytes[key] = ts.nbytes
+            if inline + size <= budget:
+                data[key] = [Blob(frame) for frame in frames]
+                inline += size
+            elif in_parts:
+                announced[key] = [memoryview(frame).nbytes for frame in frames]
+                parts.append((key, frames))
+            else:
+                missing.append(key)
+                errors[key] = (f"{bounded_repr(key)} ({type(value).__name__}, {size} bytes "
+                               f"serialized) does not fit in one frame of at most "
+                               f"{self.single_frame_reply_bytes} bytes: ask for it alone, "
+                               f"or in parts")
+        if failed:
+            for key, text in failed.items():
+                logger.warning("worker %s: %s", self.address, text)
+            self._stimulus(self.state.serve_failed, failed, "serve-failed")
+        reply = {"op": "data", "data": data, "missing": missing}
+        if nbytes:
+            reply["nbytes"] = nbytes
+        if errors:
+            reply["errors"] = errors
+        if announced:
+            reply["parts"] = announced
+        return reply, parts
 
     def _put_data(self, msg: dict) -> dict:
         items = msg.get("data")
         if not isinstance(items, dict):
             raise _BadRequest("'put-data' needs a map 'data' of key -> frames")
         values = {key: loads_data(frames) for key, frames in items.items()}
-        self.data.update(values)
-        self._fetched_keys.difference_update(values)
+        if not self._stimulus(self.state.data_put, values, "put-data"):
+            raise _BadRequest("put-data refused")
         return {"op": "ok"}
 
 
 # ---------------------------------------------------------------------- helpers
 
 
-def _run_job(job: _Job) -> tuple:
-    """On an executor thread: run one job; ``(job, report, value)``."""
+def _parts(parts: list, part_bytes: int):
+    """The ``data-part`` messages that carry the frames of large values, in order."""
+    for key, frames in parts:
+        for frame in frames:
+            view = memoryview(frame).cast("B")
+            for start in range(0, view.nbytes, part_bytes):
+                yield {"op": "data-part", "key": key, "blob": Blob(view[start:start + part_bytes])}
+
+
+def _run_job(job: tuple) -> tuple:
+    """On an executor thread: run one job; ``(key, kind, value, report)``."""
+    key, _, spec, inputs, check = job
     start = time.time()
     try:
-        value = loads_spec(job.spec)(job.deps)
+        value = loads_spec(spec)(inputs)
     except BaseException as exc:  # noqa: BLE001 - any failure of user code is the task's
         stop = time.time()
-        job.spec = job.deps = None
-        return job, _erred_report(job.key, exc, start, stop), None
+        return key, _FAILURE, None, _erred_report(key, exc, start, stop)
     stop = time.time()
-    job.spec = job.deps = None  # release dependency values as soon as possible
-    return job, _finished_report(job.key, value, start, stop), value
+    del job, inputs, spec  # release the inputs as soon as possible
+    if check:  # its result failed to travel before: it must show that it serializes now
+        try:
+            dumps_data(value)
+        except Exception as exc:  # noqa: BLE001
+            error = ResultCannotTravel(_cannot_travel_text(key, value, exc))
+            return key, _FAILURE, None, _erred_report(key, error, start, stop)
+    return key, _SUCCESS, value, _finished_report(key, value, start, stop)
 
 
 def _finished_report(key, value, start: float, stop: float) -> dict:
@@ -846,23 +814,33 @@ def _erred_report(key, exc: BaseException, start: float, stop: float) -> dict:
             "text": text, "start": start, "stop": stop}
 
 
-def _as_priority(priority) -> tuple:
-    """Priorities compare as tuples (lower runs first), whatever shape they came in."""
-    if type(priority) is tuple:
-        return priority
-    if isinstance(priority, list):
-        return tuple(priority)
-    return (priority,)
+def _cannot_travel_text(key, value, exc: BaseException) -> str:
+    """Why the result of ``key`` cannot travel: its key, type, size and the cause."""
+    try:
+        size = f"{min(max(int(sizeof(value)), 0), MAX_REPORTED_NBYTES)} bytes"
+    except Exception:  # noqa: BLE001
+        size = "size unknown"
+    try:
+        cause = f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001
+        cause = type(exc).__name__
+    return (f"the result of {bounded_repr(key)} ({type(value).__module__}."
+            f"{type(value).__qualname__}, {size}) cannot be serialized to send it to "
+            f"another worker or a client: {cause[:500]}")
 
 
-def _pick_holder(holders: list, chosen: dict) -> str | None:
-    """A holder already asked in this burst if possible (fewer requests), else a random one."""
-    if not holders:
-        return None
-    for holder in holders:
-        if holder in chosen:
-            return holder
-    return random.choice(holders)
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a failed transfer shows the peer is gone (it refused the connection)."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def _join_address(scheme: str, host: str, port: int) -> str:
