@@ -19,14 +19,15 @@ def _pure_requested():
         "", "0", "false", "no")
 
 
-def _load(module_name):
-    """The C extension ``module_name``, or its ``.pyx`` source run as Python."""
-    name = f"{__name__}.{module_name}"
+def _load(module_name, import_extension):
+    """The C extension ``module_name`` (``import_extension()``), or its ``.pyx`` source
+    run as Python."""
     if not _pure_requested():
         try:
-            return importlib.import_module(name)  # the C extension
+            return import_extension()
         except ImportError:
             pass
+    name = f"{__name__}.{module_name}"
     path = os.path.join(os.path.dirname(__file__), module_name + ".pyx")
     loader = importlib.machinery.SourceFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
@@ -40,8 +41,19 @@ def _load(module_name):
     return module
 
 
-_core = _load("_core")
-_worker_core = _load("_worker_core")  # after _core: it uses the core's exception classes
+def _core_extension():
+    from . import _core
+    return _core
+
+
+def _worker_core_extension():
+    from . import _worker_core
+    return _worker_core
+
+
+_core = _load("_core", _core_extension)
+# after _core: the worker's core uses the scheduler core's exception classes
+_worker_core = _load("_worker_core", _worker_core_extension)
 
 COMPILED: bool = _core.COMPILED and _worker_core.COMPILED
 #: The file the scheduler's core was loaded from: the extension module, or ``_core.pyx``.

@@ -68,7 +68,6 @@ except ImportError:  # the pure-Python install runs without Cython
     from . import _cython_shim as cython
 
 import heapq
-import random
 from collections import namedtuple
 from typing import Optional
 
@@ -365,8 +364,9 @@ class WorkerCore:
     urgent task overtakes a long backlog. ``resources`` (``{name: quantity}``) limit
     which tasks run at the same time. ``max_fetch_attempts`` bounds how many holders
     are asked for one input before its tasks are given back to the scheduler.
-    ``clock`` stamps the transition log; ``seed`` makes the choice among equally
-    loaded holders reproducible.
+    ``clock`` stamps the transition log; ``seed`` is where the turns among equally
+    loaded holders start (give each worker its own, so they do not all ask the same
+    holder first).
     """
 
     address: str
@@ -388,7 +388,7 @@ class WorkerCore:
     clock: object
     transition_counter: cython.Py_ssize_t
     max_transitions_per_stimulus: cython.Py_ssize_t
-    _rng: object
+    _picks: cython.Py_ssize_t  # turns among equally loaded holders (starts at the seed)
     _sequence: cython.Py_ssize_t
     _log_entries: list
     _log_capacity: cython.Py_ssize_t
@@ -444,7 +444,9 @@ class WorkerCore:
         self.clock = clock if clock is not None else _zero_clock
         self.transition_counter = 0
         self.max_transitions_per_stimulus = max_transitions_per_stimulus or 0
-        self._rng = random.Random(seed)
+        if type(seed) is not int:
+            raise ValueError(f"seed must be an int, not {seed!r}")
+        self._picks = seed & 0xFFFFFFFF
         self._sequence = 0
         self._log_entries = []
         self._log_capacity = transition_log_length
@@ -1062,7 +1064,7 @@ class WorkerCore:
     @cython.cfunc
     def _pick_holder(self, ts: WorkerTask, chosen: dict) -> object:
         """A holder already asked in this burst (fewer requests), else one of the least
-        loaded; None when no holder is left or too many failed."""
+        loaded (taken in turn); None when no holder is left or too many failed."""
         holders = ts.who_has
         if holders is None:
             return None
@@ -1084,7 +1086,8 @@ class WorkerCore:
                 best.append(peer)
         if len(best) == 1:
             return best[0]
-        return best[self._rng.randrange(len(best))]
+        self._picks += 1  # in turn: workers with other seeds start elsewhere
+        return best[self._picks % len(best)]
 
     @cython.cfunc
     def _give_up(self, ts: WorkerTask) -> None:
