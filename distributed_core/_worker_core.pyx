@@ -503,6 +503,45 @@ class WorkerCore:
         _check_str(stimulus_id, "stimulus_id")
         _check_keys(keys, "free_keys")
         self._begin(stimulus_id)
+        self._free_keys(keys)
+        return self._end()
+
+    def scheduler_messages(self, msgs, stimulus_id) -> list:
+        """One frame of the scheduler's stream: its compute-task and free-keys messages
+        (docs/protocol.md), applied in order as one stimulus, so that the executions it
+        starts are handed out in priority order and the inputs it needs are asked of
+        each peer in one request. Any other op is refused (the shell handles
+        ``close``)."""
+        _check_str(stimulus_id, "stimulus_id")
+        if not isinstance(msgs, _SEQUENCE):
+            raise InvalidStimulus(f"scheduler_messages: msgs must be a list, not "
+                                  f"{bounded_repr(msgs)}")
+        checked = []
+        for msg in msgs:
+            op = msg.get("op") if type(msg) is dict else None
+            if op == "compute-task":
+                checked.append(_check_compute(msg))
+            elif op == "free-keys":
+                keys = msg.get("keys")
+                _check_keys(keys, "free-keys")
+                sid = msg.get("stimulus_id")
+                checked.append((keys, sid if isinstance(sid, str) else None))
+            else:
+                raise InvalidStimulus(f"scheduler_messages: not a compute-task or free-keys "
+                                      f"message: {bounded_repr(msg)}")
+        self._begin(stimulus_id)
+        for parts in checked:
+            if len(parts) == 2:
+                if parts[1] is not None:
+                    self._stimulus_id = parts[1]
+                self._free_keys(parts[0])
+            else:
+                self._compute_task(parts)
+        self._stimulus_id = stimulus_id
+        return self._end()
+
+    @cython.cfunc
+    def _free_keys(self, keys) -> None:
         ts: WorkerTask
         for key in keys:
             ts = self.tasks.get(key)
@@ -518,7 +557,6 @@ class WorkerCore:
                     self._recs[ts] = RELEASED
             elif not self._needed(ts):
                 self._recs[ts] = RELEASED
-        return self._end()
 
     def execute_success(self, key, value, report, stimulus_id) -> list:
         """An execution finished: ``value`` is the result, ``report`` the task-finished
@@ -765,6 +803,9 @@ class WorkerCore:
             self._transition(ts, EXECUTING)  # adopt the execution in progress
             return
         if state in PENDING_STATES:
+            if ts.run_spec is None:  # freed earlier in this stimulus: wanted again
+                ts.run_spec = spec
+                self._recs.pop(ts, None)
             if who_has:
                 self._add_holders(ts, who_has)
             return
@@ -1013,7 +1054,10 @@ class WorkerCore:
             if ts.resources is not None and not self._acquire(ts.resources):
                 self._transition(ts, CONSTRAINED)
                 continue
-            self._transition(ts, EXECUTING)
+            self._transition_ready_executing(ts)  # the hot path: no table lookup
+            self._log(ts, READY)
+            if self.validate:
+                self._validate_task(ts)
 
     @cython.cfunc
     def _acquire(self, resources: dict) -> cython.bint:
@@ -1209,17 +1253,18 @@ class WorkerCore:
 
     @cython.cfunc
     def _rewait(self, ts: WorkerTask) -> None:
-        """Wait for the inputs not in memory; fetch those nothing here produces."""
+        """Ready at once if every input is in memory; else wait for the others, and
+        fetch those nothing here produces."""
         dep: WorkerTask
         n: cython.int = 0
         for dep in ts.dependencies:
             if dep.state != MEMORY:
                 n += 1
-        ts.state = WAITING
         ts.n_missing = n
         if n == 0:
-            self._recs[ts] = READY
+            self._push_ready(ts)
             return
+        ts.state = WAITING
         for dep in ts.dependencies:
             if dep.state == RELEASED:  # nothing here produces it: fetch it now
                 self._recs.pop(dep, None)

@@ -9,9 +9,10 @@ returns (docs/protocol.md, section 1b). ``worker.data`` holds a value exactly wh
 machine has that key in memory.
 
 - Registers with the scheduler (handshake role ``"worker"``) and reads its batched
-  stream: the ``compute-task`` messages of one frame are one ``compute_tasks`` stimulus
-  (their executions start in priority order), ``free-keys`` is ``free_keys``, ``close``
-  closes. No asyncio Task is made per task.
+  stream: the ``compute-task`` and ``free-keys`` messages of one frame are one
+  ``scheduler_messages`` stimulus (their executions start in priority order, their
+  inputs are asked of each peer in one request), ``close`` closes. No asyncio Task is
+  made per task.
 - Runs tasks on ``nthreads`` daemon executor threads. ``Execute`` puts the task's spec
   and its inputs' values on a thread-safe queue; the machine hands out at most
   ``prefetch`` executions, so a late urgent task is never stuck behind thousands. A
@@ -282,6 +283,15 @@ class Worker:
         """Wait until the worker has shut down."""
         await self._finished.wait()
 
+    def pause(self) -> None:
+        """Start no new task (memory is short); tasks already handed to the threads
+        finish, fetches and peers are served as usual. On the event loop."""
+        self._stimulus(self.state.pause, "pause")
+
+    def unpause(self) -> None:
+        """Start tasks again. On the event loop."""
+        self._stimulus(self.state.unpause, "unpause")
+
     async def __aenter__(self):
         if self.status == CREATED:
             await self.start()
@@ -415,49 +425,40 @@ class Worker:
         return False
 
     def _handle_batch(self, msgs: list) -> None:
-        """Apply one frame of scheduler messages: its compute-tasks as one stimulus."""
-        computes: list = []
+        """Apply one frame of scheduler messages: its compute-task and free-keys
+        messages are one stimulus (one fetch plan, executions in priority order)."""
+        tasks: list = []
         for msg in msgs:
             op = msg.get("op")
-            if op == "compute-task":
-                computes.append(msg)
-                continue
-            if computes:
-                self._compute_tasks(computes)
-                computes = []
-            if op == "free-keys":
-                self._stimulus(self.state.free_keys, msg.get("keys"),
-                               msg.get("stimulus_id") or "free-keys")
+            if op == "compute-task" or op == "free-keys":
+                tasks.append(msg)
             elif op == "close":
                 self._close_requested = True
             else:
                 logger.warning("worker %s ignores unknown operation %r from the scheduler",
                                self.address, op)
-        if computes:
-            self._compute_tasks(computes)
+        if tasks:
+            self._scheduler_messages(tasks)
 
-    def _compute_tasks(self, msgs: list) -> None:
-        """One stimulus for the compute-tasks of a frame; if the machine refuses the
-        batch, one per message, so only the bad ones are dropped (and logged)."""
+    def _scheduler_messages(self, msgs: list) -> None:
+        """One stimulus for the task messages of a frame; if the machine refuses the
+        frame, one per message, so only the bad ones are dropped (and logged)."""
         for msg in msgs:
             resources = msg.get("resources")
             if type(resources) is dict and resources:
                 self._check_resources(msg.get("key"), resources)
         sid = msgs[-1].get("stimulus_id")
         if not isinstance(sid, str):
-            sid = "compute-task"
+            sid = "scheduler"
         try:
-            instructions = self.state.compute_tasks(msgs, sid)
+            instructions = self.state.scheduler_messages(msgs, sid)
         except InvalidStimulus:
-            if len(msgs) == 1:
-                self._stimulus(self.state.compute_tasks, msgs, sid)
-                return
             for msg in msgs:
-                self._stimulus(self.state.compute_tasks, [msg], sid)
+                self._stimulus(self.state.scheduler_messages, [msg], sid)
             return
         except Exception:
-            logger.exception("BUG: worker %s: compute_tasks of %d messages failed",
-                             self.address, len(msgs))
+            logger.exception("BUG: worker %s: stimulus scheduler_messages %s failed",
+                             self.address, sid)
             return
         self._apply(instructions)
 
@@ -559,14 +560,20 @@ class Worker:
     async def _fetch_from(self, peer: str, keys: list) -> None:
         """One get-data request to one peer, every step within ``transfer_timeout``;
         then its outcome becomes a stimulus."""
-        timeout = self.transfer_timeout
         comm = None
+        deadline = None
         failure: BaseException | None = None
         try:
             comm = await self._peer_comm(peer)
-            await asyncio.wait_for(
-                comm.write([{"op": "get-data", "keys": keys, "parts": True}]), timeout)
-            frames, missing, nbytes, errors = await self._read_data_reply(comm, keys)
+            deadline = _Deadline(self._loop, comm, self.transfer_timeout)
+            try:
+                deadline.arm()
+                await comm.write([{"op": "get-data", "keys": keys, "parts": True}])
+                frames, missing, nbytes, errors = await self._read_data_reply(comm, deadline)
+            except CommClosedError:
+                deadline.check()  # a timeout aborted the connection: say so
+                raise
+            deadline.cancel()
             self._return_peer_comm(peer, comm)
             comm = None
         except asyncio.CancelledError:
@@ -574,6 +581,8 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - any failure means: try another holder
             failure = exc
         finally:
+            if deadline is not None:
+                deadline.cancel()
             if comm is not None:  # a failed exchange leaves the connection unusable
                 comm.abort()
         if self.status != RUNNING_STATUS:
@@ -596,11 +605,11 @@ class Worker:
         self._stimulus(self.state.fetch_done, peer, values, missing, f"fetched-{peer}",
                        nbytes=nbytes or None, errors=errors or None)
 
-    async def _read_data_reply(self, comm: Comm, keys: list) -> tuple:
+    async def _read_data_reply(self, comm: Comm, deadline: _Deadline) -> tuple:
         """The answer to a get-data that asked for parts: ``(frames by key, missing,
-        nbytes, errors)``. Each frame read must arrive within ``transfer_timeout``."""
-        timeout = self.transfer_timeout
-        reply = (await asyncio.wait_for(comm.read(), timeout))[0]
+        nbytes, errors)``. Each frame must arrive within ``transfer_timeout``."""
+        deadline.arm()
+        reply = (await comm.read())[0]
         if reply.get("op") != "data" or type(reply.get("data")) is not dict:
             raise _BadRequest(f"get-data answered with {reply.get('op')!r}")
         frames = dict(reply["data"])
@@ -612,7 +621,8 @@ class Worker:
             for length in lengths:
                 buffer = bytearray()  # grows as parts arrive, never to the announced size
                 while len(buffer) < length:
-                    part = (await asyncio.wait_for(comm.read(), timeout))[0]
+                    deadline.arm()
+                    part = (await comm.read())[0]
                     if part.get("op") != "data-part" or part.get("key") != key:
                         raise _BadRequest(f"expected a part of {key!r}, got {part.get('op')!r}")
                     buffer += part["blob"]
@@ -650,30 +660,35 @@ class Worker:
         of large values, for a get-data that asked for them)."""
         self._served.add(comm)
         timeout = self.transfer_timeout
+        deadline = _Deadline(self._loop, comm, timeout)
         try:
             while True:
-                msgs = await comm.read()
+                msgs = await comm.read()  # an idle connection may wait: the peer pools it
                 replies, parts = [], []
                 for msg in msgs:
                     reply, more = self._answer(comm, msg)
                     replies.append(reply)
                     parts.extend(more)
-                await asyncio.wait_for(comm.write(replies), timeout)
+                deadline.arm()  # a peer that takes no data for this long is dropped
+                await comm.write(replies)
                 del replies
                 for msg in _parts(parts, self.transfer_part_bytes):
-                    await asyncio.wait_for(comm.write([msg]), timeout)
+                    deadline.arm()
+                    await comm.write([msg])
+                deadline.cancel()
                 del parts
         except ProtocolError as exc:
             logger.warning("worker %s: closing connection from %s: %s",
                            self.address, comm.peer_address, exc)
-        except (CommClosedError, asyncio.TimeoutError, TimeoutError) as exc:
-            if not isinstance(exc, CommClosedError):
+        except CommClosedError:
+            if deadline.expired:
                 logger.warning("worker %s: %s took no data for %.1fs; closing the connection",
                                self.address, comm.peer_address, timeout)
         except Exception as exc:  # noqa: BLE001 - a bad request closes this connection only
             logger.warning("worker %s: closing connection from %s after a bad request: %s",
                            self.address, comm.peer_address, _describe(exc))
         finally:
+            deadline.cancel()
             self._served.discard(comm)
             comm.abort()
 
@@ -761,6 +776,41 @@ class Worker:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class _Deadline:
+    """Aborts a connection when one step of a transfer takes longer than ``timeout``:
+    ``arm()`` before each step. A timer handle, not a Task per step (``wait_for`` made
+    one per frame: it doubled a worker's CPU per transferred key)."""
+
+    __slots__ = ("comm", "expired", "handle", "loop", "timeout")
+
+    def __init__(self, loop, comm: Comm, timeout: float) -> None:
+        self.loop = loop
+        self.comm = comm
+        self.timeout = timeout
+        self.handle = None
+        self.expired = False
+
+    def arm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        self.handle = self.loop.call_later(self.timeout, self._expire)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def check(self) -> None:
+        """Raise TimeoutError if the deadline aborted the connection."""
+        if self.expired:
+            raise TimeoutError(f"no progress for {self.timeout}s: the peer does not answer")
+
+    def _expire(self) -> None:
+        self.handle = None
+        self.expired = True
+        self.comm.abort()
 
 
 def _parts(parts: list, part_bytes: int):

@@ -387,6 +387,20 @@ def test_a_cancelled_execution_needed_here_that_fails_is_fetched_instead():
     assert w.execute_failure("x", erred("x"), "boom") == [Fetch(A, ["x"])]
 
 
+def test_a_frame_of_the_scheduler_is_one_stimulus_in_message_order():
+    w = core()
+    frame = [compute("z1", {"x1": [A]}), compute("gone"), {"op": "free-keys",
+             "keys": ["gone"], "stimulus_id": "f"}, compute("z2", {"x2": [A]}),
+             {"op": "free-keys", "keys": ["z1"], "stimulus_id": "f2"}, compute("z1", {"x1": [A]})]
+    assert w.scheduler_messages(frame, "frame") == [Fetch(A, ["x1", "x2"])]
+    assert states(w) == {"z1": "waiting", "x1": "flight", "z2": "waiting", "x2": "flight"}
+    assert w.story("gone") == [("gone", "released", "ready", "compute-gone", 0.0),
+                               ("gone", "ready", "released", "frame", 0.0),
+                               ("gone", "released", "forgotten", "frame", 0.0)]
+    with pytest.raises(InvalidStimulus, match="not a compute-task or free-keys"):
+        w.scheduler_messages([{"op": "close"}], "frame")
+
+
 def test_a_duplicate_compute_task_runs_once():
     w = core()
     assert w.compute_tasks([compute("d"), compute("d")], "s") == [Execute("d")]
@@ -525,14 +539,18 @@ def test_the_transition_log_is_bounded():
     w = core(transition_log_length=3)
     w.compute_tasks([compute("a")], "s")
     run(w, "a")
-    assert len(w.transition_log) == 3 and w.transition_counter == 4
-    assert w.transition_log[-1] == ("a", "executing", "memory", "done-a", 0.0)
+    assert w.transition_counter == 3  # released -> ready (all inputs held) -> executing ...
+    w.compute_tasks([compute("b")], "s2")
+    assert len(w.transition_log) == 3 and w.transition_counter == 5
+    assert w.transition_log[0] == ("a", "executing", "memory", "done-a", 0.0)
 
 
 def test_a_runaway_stimulus_raises_transition_limit_exceeded():
     w = core(max_transitions_per_stimulus=5)
+    w.compute_tasks([compute(i) for i in range(10)], "many")
+    w.executions_done([(i, "finished", i, finished(i)) for i in range(10)], "done")
     with pytest.raises(TransitionLimitExceeded, match="more than 5 transitions"):
-        w.compute_tasks([compute(i) for i in range(10)], "many")
+        w.free_keys(list(range(10)), "free")  # ten recommendations
 
 
 def test_validation_catches_a_broken_invariant():

@@ -85,6 +85,8 @@ class WorkerMachine(RuleBasedStateMachine):
         self.fetches: list = []  # (peer, keys) outstanding
         self.graph: dict = {}
         self.wanted: set = set()  # keys the scheduler asked for and has no answer about
+        self.in_frame: set = set()  # keys a frame asked for (a later message may free them)
+        self.answered: set = set()  # keys answered while a frame is applied
         self.n = 0
 
     # ------------------------------------------------------------------ helpers
@@ -108,7 +110,7 @@ class WorkerMachine(RuleBasedStateMachine):
                 ts = self.core.tasks[key]
                 assert not self.executions.get(key), f"{key} executed twice at once"
                 assert key not in self.data, f"{key} executed while its value is held"
-                assert key in self.wanted, f"{key} executed although nobody asked"
+                assert key in self.wanted or key in self.in_frame, f"{key} executed unasked"
                 assert [dep.key for dep in ts.dependencies] == self.graph[key]
                 for dep in self.graph[key]:
                     assert dep in self.data, f"{key} executed without input {dep}"
@@ -121,8 +123,10 @@ class WorkerMachine(RuleBasedStateMachine):
                 op = ins.msg["op"]
                 assert op in OPS, ins.msg
                 if op != "missing-data":  # an answer about a task: only one, if asked
-                    assert ins.msg["key"] in self.wanted, ins.msg
-                    self.wanted.discard(ins.msg["key"])
+                    key = ins.msg["key"]
+                    assert key in self.wanted or key in self.in_frame, ins.msg
+                    self.wanted.discard(key)
+                    self.answered.add(key)
             elif kind is StoreData:
                 self.data[ins.key] = ins.value
             elif kind is ReleaseData:
@@ -130,8 +134,9 @@ class WorkerMachine(RuleBasedStateMachine):
                 del self.data[ins.key]
             elif kind is ReportHeld:
                 assert ins.key in self.data, f"reported {ins.key} held, which is not"
-                assert ins.key in self.wanted
+                assert ins.key in self.wanted or ins.key in self.in_frame
                 self.wanted.discard(ins.key)
+                self.answered.add(ins.key)
             else:
                 raise AssertionError(f"unknown instruction {ins!r}")
 
@@ -161,6 +166,30 @@ class WorkerMachine(RuleBasedStateMachine):
             msgs.append(msg)
             self.wanted.add(key)
         self.call("compute_tasks", msgs, self.sid("batch"))
+
+    @rule(data=st.data(), frame=st.lists(st.tuples(st.booleans(), st.integers(0, N_KEYS - 1)),
+                                         min_size=1, max_size=6))
+    def scheduler_frame(self, data, frame):
+        """One frame of the scheduler's stream: compute-tasks and free-keys mixed."""
+        msgs = []
+        for is_compute, i in frame:
+            key = KEYS[i]
+            if is_compute:
+                who_has = {dep: data.draw(st.lists(st.sampled_from(PEERS), max_size=2,
+                                                   unique=True)) for dep in self.graph[key]}
+                msgs.append({"op": "compute-task", "key": key, "spec": key.encode(),
+                             "priority": (0, 0, i), "who_has": who_has,
+                             "stimulus_id": self.sid("compute")})
+                self.in_frame.add(key)
+            else:
+                msgs.append({"op": "free-keys", "keys": [key], "stimulus_id": self.sid("free")})
+        wanted_after = set(self.wanted)
+        for is_compute, i in frame:  # what the scheduler wants once the frame is applied
+            (wanted_after.add if is_compute else wanted_after.discard)(KEYS[i])
+        self.answered = set()
+        self.call("scheduler_messages", msgs, self.sid("frame"))
+        self.wanted = wanted_after - self.answered  # reported held or erred at once
+        self.in_frame = set()
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=4))
     def free(self, keys):

@@ -328,6 +328,20 @@ def test_resources_limit_how_many_tasks_run_at_once():
     run(main())
 
 
+def test_a_paused_worker_starts_no_task_until_unpaused():
+    async def main():
+        async with FakeScheduler() as s, await s.worker() as w:
+            w.pause()
+            s.send(w, compute("a", inc, 1))
+            await s.wait_for(lambda: "a" in w.state.tasks)
+            await asyncio.sleep(0.1)
+            assert not s.ops("task-finished") and w.state.tasks["a"].state == "ready"
+            w.unpause()
+            await s.wait_for(lambda: s.ops("task-finished"))
+            assert w.data == {"a": 2}
+    run(main())
+
+
 # ---------------------------------------------------------------- dependencies
 
 
@@ -999,14 +1013,14 @@ def count_calls(*workers) -> tuple[dict, dict]:
     computed = dict.fromkeys(workers, 0)
     served = dict.fromkeys(workers, 0)
     for w in workers:
-        def on_compute(msgs, w=w, original=w._compute_tasks):
-            computed[w] += len(msgs)
+        def on_compute(msgs, w=w, original=w._scheduler_messages):
+            computed[w] += sum(msg["op"] == "compute-task" for msg in msgs)
             original(msgs)
 
         def on_get_data(msg, w=w, original=w._get_data):
             served[w] += 1
             return original(msg)
-        w._compute_tasks = on_compute
+        w._scheduler_messages = on_compute
         w._get_data = on_get_data
     return computed, served
 
