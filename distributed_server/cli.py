@@ -3,6 +3,7 @@
     dcore scheduler [--host HOST] [--port PORT] [credentials]
     dcore worker tcp://SCHEDULER:PORT [--nthreads N] [--name NAME] [--resources GPU=1,MEM=4e9]
                  [--nworkers N] [--memory-limit 4GiB|0.5|auto|0] [--no-nanny] [credentials]
+                 [--memory-{target,spill,pause}-fraction F] [--local-directory DIR]
     dcore demo [--workers N] [--threads N] [--tasks N]
     dcore token                  print a fresh random cluster token
     dcore tls-files DIR [HOST..] write a new CA and a certificate for every role into DIR
@@ -32,6 +33,7 @@ import sys
 import distributed_core
 
 from .comm import parse_address
+from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
 from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
 from .security import (
     Security,
@@ -139,6 +141,17 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--memory-terminate-fraction", type=float, default=TERMINATE_FRACTION,
                         help="fraction of the memory limit past which the nanny kills and "
                              "restarts a worker (default %(default)s; 0: never)")
+    for step, default, what in (
+            ("target", TARGET_FRACTION, "results held in memory (by their sizes) past which "
+                                        "the least recently used spill to disk"),
+            ("spill", SPILL_FRACTION, "process memory past which results spill until it "
+                                      "is back under the target"),
+            ("pause", PAUSE_FRACTION, "process memory past which no new task starts")):
+        worker.add_argument(f"--memory-{step}-fraction", type=_fraction, default=default,
+                            help=f"fraction of the memory limit: {what} (default "
+                                 f"%(default)s; 0: off)")
+    worker.add_argument("--local-directory", default=None,
+                        help="where spilled results go (default: the temporary directory)")
     worker.add_argument("--log-level", default="INFO")
     _add_security_flags(worker)
 
@@ -190,6 +203,16 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(target, 1 << 16), hard))
     except (ImportError, OSError, ValueError):
         pass
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction from 0 to 1")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -284,7 +307,11 @@ async def _run_worker(args) -> int:
 
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,
                     resources=args.resources or None, host=args.host, port=args.port,
-                    security=args.security, insecure=args.insecure)
+                    security=args.security, insecure=args.insecure,
+                    memory_target_fraction=args.memory_target_fraction or None,
+                    memory_spill_fraction=args.memory_spill_fraction or None,
+                    memory_pause_fraction=args.memory_pause_fraction or None,
+                    local_directory=args.local_directory)
     await worker.start()
     print(f"Worker at {worker.address} connected to {args.address}", flush=True)
     _tell_nanny(worker.address)
@@ -319,6 +346,11 @@ async def _run_nanny(args, memory_limit: int) -> int:
                                  args.resources.items())]
     if args.insecure:
         worker_args.append("--insecure")
+    for step in ("target", "spill", "pause"):
+        worker_args += [f"--memory-{step}-fraction",
+                        repr(getattr(args, f"memory_{step}_fraction"))]
+    if args.local_directory:
+        worker_args += ["--local-directory", args.local_directory]
     if args.name is None:
         names = [None] * args.nworkers
     elif args.nworkers == 1:

@@ -142,7 +142,8 @@ class LocalCluster:
         self.scheduler_address = scheduler.address
         for i in range(self.n_workers):
             worker = Worker(scheduler.address, nthreads=self.threads_per_worker,
-                            name=f"worker-{i}", host=host, security=self.security)
+                            name=f"worker-{i}", host=host, security=self.security,
+                            memory_limit=0)  # one process for all: no per-worker limit
             self._loop_thread.run(worker.start())
             self._servers.append(worker)
 

@@ -57,6 +57,9 @@ logger = logging.getLogger("distributed_server.nanny")
 MEMORY_LIMIT_ENV = "DCORE_MEMORY_LIMIT"
 #: The fraction of its memory limit past which a worker is killed and restarted (as dask).
 TERMINATE_FRACTION = 0.95
+#: glibc's ``MALLOC_TRIM_THRESHOLD_`` for worker processes (bytes): freed memory past it
+#: returns to the system.
+MALLOC_TRIM_THRESHOLD = 64 * 1024
 #: Seconds between two readings of a worker's memory.
 MEMORY_POLL_INTERVAL = 0.25
 #: Restart backoff: the first delay, the longest, and how long a worker must run before
@@ -353,6 +356,11 @@ class Nanny:
                if k not in ENVIRONMENT_VARIABLES and k != ADDRESS_FD_ENV}
         env.update(self.security.environment())
         env[MEMORY_LIMIT_ENV] = str(self.memory_limit)
+        # glibc keeps freed memory in its arenas unless told to give back what passes
+        # this threshold: without it a worker that spilled or freed large results keeps
+        # their pages, and its RSS (which the nanny and the spill monitor read) does not
+        # fall. dask's nanny sets the same. A value the user chose is kept.
+        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(MALLOC_TRIM_THRESHOLD))
         return env
 
     # ------------------------------------------------------------------ memory

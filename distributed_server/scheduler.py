@@ -103,6 +103,8 @@ class Scheduler:
         self.worker_comms: dict = {}  # address -> Comm
         self.client_comms: dict = {}  # client id -> Comm
         self.last_seen: dict = {}  # worker address -> time.monotonic()
+        #: worker address -> its memory figures from the last heartbeat (Worker.memory_figures)
+        self.worker_memory: dict = {}
         self.client_last_seen: dict = {}  # client id -> time.monotonic()
         self.nanny_comms: dict = {}  # nanny id -> Comm
         self.nanny_workers: dict = {}  # nanny id -> tuple of the worker addresses it runs
@@ -211,6 +213,7 @@ class Scheduler:
         finally:
             del self.worker_comms[address]
             self.last_seen.pop(address, None)
+            self.worker_memory.pop(address, None)
             self._stimulus(address, "remove-worker", self.state.remove_worker, address)
             self._joined.pop(address, None)
             self._workers_changed.set()
@@ -340,6 +343,7 @@ class Scheduler:
                 erred.append(msg)
                 continue
             if op == "heartbeat":
+                self.worker_memory[address] = _memory_figures(msg, address)
                 continue
             self._flush_reports(address, finished, erred)
             finished, erred = [], []
@@ -563,8 +567,10 @@ class Scheduler:
     def identity(self) -> dict:
         """What a client sees of the scheduler: address, workers, task counts."""
         supervised = {address for workers in self.nanny_workers.values() for address in workers}
+        memory = self.worker_memory
         workers = {
-            address: {"nthreads": ws.nthreads, "name": ws.name, "nanny": address in supervised}
+            address: {"nthreads": ws.nthreads, "name": ws.name, "nanny": address in supervised,
+                      **memory.get(address, _NO_MEMORY_FIGURES)}
             for address, ws in self.state.workers.items()
         }
         return {"address": self.address, "workers": workers, "compiled": COMPILED,
@@ -636,3 +642,25 @@ def _worker_info(info: dict, scheme: str) -> tuple:
     except ValueError as exc:
         raise MessageError(f"worker handshake needs its listen 'address': {exc}") from None
     return address, info.get("nthreads", 1), info.get("name"), info.get("resources")
+
+
+#: A worker's memory figures before its first heartbeat (or from one that sent none).
+_NO_MEMORY_FIGURES = {"memory": None, "managed": None, "spilled": None, "spilled_count": None,
+                      "paused": False}
+
+
+def _memory_figures(msg: dict, address: str) -> dict:
+    """The memory figures of a worker's heartbeat, checked: byte counts are ints from 0
+    to 2**62 or absent/None (unknown), ``paused`` a bool."""
+    figures = {}
+    for name in ("memory", "managed", "spilled", "spilled_count"):
+        value = msg.get(name)
+        _require(value is None or (type(value) is int and 0 <= value <= 2**62),
+                 f"heartbeat from {address}: {name} must be bytes, not "
+                 f"{bounded_repr(value, 60)}")
+        figures[name] = value
+    paused = msg.get("paused", False)
+    _require(type(paused) is bool, f"heartbeat from {address}: paused must be a bool, not "
+                                   f"{bounded_repr(paused, 60)}")
+    figures["paused"] = paused
+    return figures

@@ -61,6 +61,8 @@ import socket
 import threading
 import time
 from collections import deque
+
+import psutil
 from queue import SimpleQueue
 
 from distributed_core import (
@@ -85,6 +87,16 @@ from .comm import (
     listen,
     parse_address,
 )
+from .memory import (
+    MONITOR_INTERVAL,
+    PAUSE_FRACTION,
+    SPILL_FRACTION,
+    TARGET_FRACTION,
+    MemoryMonitor,
+    SpillBuffer,
+    check_fractions,
+)
+from .nanny import MEMORY_LIMIT_ENV
 from .security import Security, check_listen_security
 from .serialize import (
     dumps_data,
@@ -149,6 +161,14 @@ class Worker:
     ``DCORE_TRANSFER_TIMEOUT`` from the environment) bounds connecting to a peer and
     each frame of a transfer, both ways. ``validate`` checks the state
     machine's invariants after every stimulus (tests).
+
+    ``memory_limit`` (bytes; default ``DCORE_MEMORY_LIMIT`` from the environment, as the
+    nanny sets it, else none) turns on memory management (memory.py): results past
+    ``memory_target_fraction`` of it spill to files under ``local_directory``, process
+    memory past ``memory_spill_fraction`` spills more, past ``memory_pause_fraction`` no
+    new task starts until it falls back. A fraction of None or False turns that step
+    off. Heartbeats carry the process's memory, the bytes held and spilled, and whether
+    the worker is paused.
     """
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name=None,
@@ -157,6 +177,11 @@ class Worker:
                  security: Security | None = None, *, insecure: bool = False,
                  connect_timeout: float = 10.0, transfer_timeout: float | None = None,
                  transfer_part_bytes: int = TRANSFER_PART_BYTES,
+                 memory_limit: int | None = None,
+                 memory_target_fraction: float | None = TARGET_FRACTION,
+                 memory_spill_fraction: float | None = SPILL_FRACTION,
+                 memory_pause_fraction: float | None = PAUSE_FRACTION,
+                 local_directory: str | None = None,
                  validate: bool = False) -> None:
         if type(nthreads) is not int or not 1 <= nthreads <= MAX_THREADS:
             raise ValueError(f"nthreads must be an int from 1 to {MAX_THREADS}, "
@@ -168,6 +193,12 @@ class Worker:
         if type(transfer_part_bytes) is not int or transfer_part_bytes < 1:
             raise ValueError(f"transfer_part_bytes must be a positive int, got "
                              f"{transfer_part_bytes!r}")
+        if memory_limit is None:
+            memory_limit = int(os.environ.get(MEMORY_LIMIT_ENV) or 0)
+        if type(memory_limit) is not int or memory_limit < 0:
+            raise ValueError(f"memory_limit must be bytes (an int >= 0; 0: none), got "
+                             f"{memory_limit!r}")
+        check_fractions(memory_target_fraction, memory_spill_fraction, memory_pause_fraction)
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "worker")
         if parse_address(scheduler_address)[0] != self.security.scheme:
@@ -190,9 +221,17 @@ class Worker:
         #: The frame limit of this worker's connections to peers.
         self.peer_max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
         self.validate = validate
+        self.memory_limit = memory_limit
+        self.memory_target_fraction = memory_target_fraction or None
+        self.memory_spill_fraction = memory_spill_fraction or None
+        self.memory_pause_fraction = memory_pause_fraction or None
+        self.local_directory = local_directory
         self.address = ""
         self.status = CREATED
-        self.data: dict = {}
+        #: key -> value: a dict, or with a memory limit a SpillBuffer (memory.py).
+        self.data: dict | SpillBuffer = {}
+        self._discard_data = self._pop_data  # drops a key from data if held
+        self.memory: MemoryMonitor | None = None
         self.state: WorkerCore | None = None  # made at start, once the address is known
 
         self._queue: SimpleQueue = SimpleQueue()  # jobs (or None: stop) for the threads
@@ -211,6 +250,7 @@ class Worker:
         self._scheduler_comm: Comm | None = None
         self._reader: asyncio.Task | None = None
         self._heartbeat_handle: asyncio.TimerHandle | None = None
+        self._memory_handle: asyncio.TimerHandle | None = None
         self._close_requested = False
         self._finished = asyncio.Event()
 
@@ -236,6 +276,7 @@ class Worker:
         self.state = WorkerCore(self.address, self.nthreads, resources=self.resources or None,
                                 validate=self.validate, clock=time.time,
                                 seed=hash(self.address) & 0xFFFFFFFF)
+        self._start_memory_management()
         self._start_threads()
         self.status = RUNNING_STATUS
         try:
@@ -262,8 +303,9 @@ class Worker:
             return
         self.status = CLOSING
         logger.info("worker %s closing", self.address)
-        if self._heartbeat_handle is not None:
-            self._heartbeat_handle.cancel()
+        for handle in (self._heartbeat_handle, self._memory_handle):
+            if handle is not None:
+                handle.cancel()
         await self._cancel_tasks()
         if self._listener is not None:
             await self._listener.stop()
@@ -274,6 +316,8 @@ class Worker:
         self._peer_pool.clear()
         await self._stop_threads()
         self._stimulus(self.state.scheduler_lost, "worker-closing")
+        if isinstance(self.data, SpillBuffer):
+            self.data.close()
         self.data.clear()
         self.status = CLOSED
         self._finished.set()
@@ -291,6 +335,66 @@ class Worker:
     def unpause(self) -> None:
         """Start tasks again. On the event loop."""
         self._stimulus(self.state.unpause, "unpause")
+
+    def memory_figures(self) -> dict:
+        """What the heartbeat says of memory: the process's resident bytes (``memory``),
+        the bytes of results held in RAM (``managed``, by their sizes; None without a
+        memory limit) and on disk
+        (``spilled``, with ``spilled_count``), and whether tasks are ``paused``."""
+        data = self.data
+        if isinstance(data, SpillBuffer):
+            managed, spilled, count = data.memory_bytes, data.spilled_bytes, data.spilled_count
+        else:  # without a limit the sum of sizes is not kept
+            managed, spilled, count = None, 0, 0
+        memory = self.memory.memory if self.memory is not None else _rss()
+        return {"memory": memory, "managed": managed, "spilled": spilled,
+                "spilled_count": count, "paused": bool(self.state and self.state.paused)}
+
+    def _start_memory_management(self) -> None:
+        """With a memory limit: results in a SpillBuffer, and a monitor every
+        MONITOR_INTERVAL seconds that spills and pauses."""
+        if not self.memory_limit:
+            return
+        buffer = None
+        if self.memory_target_fraction or self.memory_spill_fraction:
+            target = (self.memory_target_fraction or 1.0) * self.memory_limit
+            buffer = SpillBuffer(target, self._weight, self.local_directory)
+            self.data = buffer
+            self._discard_data = buffer.discard
+        self.memory = MemoryMonitor(self.memory_limit, buffer, self.memory_target_fraction,
+                                    self.memory_spill_fraction, self.memory_pause_fraction)
+        self._memory_handle = self._loop.call_later(MONITOR_INTERVAL, self._check_memory)
+
+    def _pop_data(self, key) -> None:
+        self.data.pop(key, None)
+
+    def _weight(self, key, value) -> int:
+        """A result's size for the spill buffer: what the machine knows, else sizeof."""
+        ts = self.state.tasks.get(key)
+        if ts is not None and ts.nbytes >= 0:
+            return ts.nbytes
+        return _sizeof_quietly(value)
+
+    def _check_memory(self) -> None:
+        try:
+            change = self.memory.check()
+        except Exception:  # noqa: BLE001 - the monitor must keep running
+            logger.exception("BUG: worker %s: memory check failed", self.address)
+            change = None
+        limit = self.memory_limit
+        if change is True:
+            logger.warning("worker %s paused: memory %s is over %.0f%% of the limit %s",
+                           self.address, _mib(self.memory.memory),
+                           100 * self.memory_pause_fraction, _mib(limit))
+            self.pause()
+        elif change is False:
+            logger.warning("worker %s resumed: memory %s is back under %.0f%% of the limit "
+                           "%s", self.address, _mib(self.memory.memory),
+                           100 * self.memory_pause_fraction, _mib(limit))
+            self.unpause()
+        if self.status == RUNNING_STATUS:
+            delay = 0.001 if self.memory.behind else MONITOR_INTERVAL
+            self._memory_handle = self._loop.call_later(delay, self._check_memory)
 
     async def __aenter__(self):
         if self.status == CREATED:
@@ -338,6 +442,7 @@ class Worker:
     def _apply(self, instructions: list) -> None:
         """Carry out the machine's instructions, in order."""
         data = self.data
+        discard = self._discard_data
         send = self._send
         tasks = self.state.tasks
         put = self._queue.put
@@ -353,7 +458,7 @@ class Worker:
                 inputs = {dep.key: data[dep.key] for dep in deps} if deps else {}
                 put((ins[0], ts, ts.run_spec, inputs, ts.check))
             elif kind is ReleaseData:
-                data.pop(ins[0], None)
+                discard(ins[0])
             elif kind is Fetch:
                 self._start_fetch(ins.peer, ins.keys)
             elif kind is ReportHeld:
@@ -479,7 +584,7 @@ class Worker:
                 pass
 
     def _heartbeat(self) -> None:
-        self._send({"op": "heartbeat"})
+        self._send({"op": "heartbeat", **self.memory_figures()})
         self._heartbeat_handle = self._loop.call_later(self.heartbeat_interval, self._heartbeat)
 
     # ------------------------------------------------------------------ execution
@@ -877,6 +982,21 @@ def _cannot_travel_text(key, value, exc: BaseException) -> str:
     return (f"the result of {bounded_repr(key)} ({type(value).__module__}."
             f"{type(value).__qualname__}, {size}) cannot be serialized to send it to "
             f"another worker or a client: {cause[:500]}")
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _sizeof_quietly(value) -> int:
+    try:
+        return max(int(sizeof(value)), 0)
+    except Exception:  # noqa: BLE001 - a broken __sizeof__ must not break storing
+        return 64
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,21 +2,28 @@
 import asyncio
 import datetime
 import ipaddress
+import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import time
 
 import msgpack
+import psutil
 import pytest
 
-from distributed_server import Client, LocalCluster
+from distributed_server import Client, LocalCluster, Security
 from distributed_server.comm import PROTOCOL_VERSION, Comm, CommClosedError, parse_address
+from distributed_server.security import ENVIRONMENT_VARIABLES, new_token
 
 # Test modules import the helpers below with `from server_helpers import ...`. This file's
 # own module name depends on pytest's import mode (prepend / importlib), so give it one name.
 sys.modules.setdefault("server_helpers", sys.modules[__name__])
+
+#: The ``dcore`` command of this interpreter.
+DCORE = [sys.executable, "-m", "distributed_server.cli"]
 
 
 def workers_of(client) -> list[str]:
@@ -200,3 +207,76 @@ def write_cert_with_cryptography(cert_path: str, key_path: str) -> None:
                                   serialization.NoEncryption()))
     with open(cert_path, "wb") as f:
         f.write(cert.public_bytes(serialization.Encoding.PEM))
+
+
+# ---------------------------------------------------------------- real processes
+
+
+class Processes:
+    """A validating scheduler process and the nannies started against it."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.security = Security(token=new_token())
+        env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
+        env.update(self.security.environment())
+        self.env = env
+        self.scheduler_log = directory / "scheduler.log"
+        self.procs: list = []
+        self.scheduler = self.spawn(["scheduler", "--port", "0", "--validate",
+                                     "--log-level", "INFO"], self.scheduler_log)
+        line = self.scheduler.stdout.readline()
+        assert line.startswith("Scheduler at "), (line, self.log())
+        self.address = line.split()[2]
+
+    def spawn(self, args, log, stdout=subprocess.PIPE):
+        """``dcore ARGS``: stderr (the log) to ``log``; stdout a pipe, or ``log`` too."""
+        with open(log, "ab") as stderr:
+            proc = subprocess.Popen(DCORE + args, stderr=stderr, stdin=subprocess.DEVNULL,
+                                    stdout=stderr if stdout == "log" else stdout,
+                                    text=True, env=self.env)
+        self.procs.append(proc)
+        return proc
+
+    def nanny(self, *args, name="w", log="nanny.log"):
+        """``dcore worker ADDRESS --name NAME ARGS``: a nanny; stdout and stderr to ``log``."""
+        return self.spawn(["worker", self.address, "--name", name, "--log-level", "INFO",
+                           *args], self.directory / log, stdout="log")
+
+    def log(self, name="scheduler.log") -> str:
+        path = self.directory / name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def assert_no_errors(self):
+        errors = [line for line in self.log().splitlines() if " ERROR " in line]
+        assert not errors, f"the scheduler logged errors: {errors[:5]}\n{self.log()}"
+
+    def close(self):
+        for proc in reversed(self.procs):  # nannies first
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def children(proc) -> list:
+    try:
+        return psutil.Process(proc.pid).children()
+    except psutil.Error:
+        return []
+
+
+def wait_for(condition, timeout=30.0, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(interval)

@@ -6,7 +6,6 @@ SIGKILLed, pushed past their memory limit, restarted by the client; nannies are
 SIGTERMed. Figures (restart times, memory-kill reaction) are printed, not asserted.
 """
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -17,16 +16,16 @@ import cloudpickle
 import psutil
 import pytest
 
-from distributed_server import CancelledError, Client, LocalCluster, Security
+from distributed_server import CancelledError, Client, LocalCluster
 from distributed_server.futures import SchedulerError, TaskFailedError
 from distributed_server.nanny import MEMORY_LIMIT_ENV, format_bytes, parse_memory_limit
-from distributed_server.security import ENVIRONMENT_VARIABLES, new_token
+from distributed_server.security import new_token
+from server_helpers import DCORE, Processes, children, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 # Worker processes cannot import test modules: these functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-DCORE = [sys.executable, "-m", "distributed_server.cli"]
 #: Each worker's memory limit in the shared cluster: far above what a worker needs
 #: (~30-60 MiB), far below what `hog` takes.
 MEMORY_LIMIT = 200 * 2**20
@@ -74,76 +73,6 @@ def tree(client, n=40):
 
 def expected_tree(n=40):
     return sum(range(1, n + 1))
-
-
-class Processes:
-    """A validating scheduler process and the nannies started against it."""
-
-    def __init__(self, directory):
-        self.directory = directory
-        self.security = Security(token=new_token())
-        env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
-        env.update(self.security.environment())
-        self.env = env
-        self.scheduler_log = directory / "scheduler.log"
-        self.procs: list = []
-        self.scheduler = self.spawn(["scheduler", "--port", "0", "--validate",
-                                     "--log-level", "INFO"], self.scheduler_log)
-        line = self.scheduler.stdout.readline()
-        assert line.startswith("Scheduler at "), (line, self.log())
-        self.address = line.split()[2]
-
-    def spawn(self, args, log, stdout=subprocess.PIPE):
-        """``dcore ARGS``: stderr (the log) to ``log``; stdout a pipe, or ``log`` too."""
-        with open(log, "ab") as stderr:
-            proc = subprocess.Popen(DCORE + args, stderr=stderr, stdin=subprocess.DEVNULL,
-                                    stdout=stderr if stdout == "log" else stdout,
-                                    text=True, env=self.env)
-        self.procs.append(proc)
-        return proc
-
-    def nanny(self, *args, name="w", log="nanny.log"):
-        """``dcore worker ADDRESS --name NAME ARGS``: a nanny; stdout and stderr to ``log``."""
-        return self.spawn(["worker", self.address, "--name", name, "--log-level", "INFO",
-                           *args], self.directory / log, stdout="log")
-
-    def log(self, name="scheduler.log") -> str:
-        path = self.directory / name
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def assert_no_errors(self):
-        errors = [line for line in self.log().splitlines() if " ERROR " in line]
-        assert not errors, f"the scheduler logged errors: {errors[:5]}\n{self.log()}"
-
-    def close(self):
-        for proc in reversed(self.procs):  # nannies first
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-
-
-def children(proc) -> list:
-    try:
-        return psutil.Process(proc.pid).children()
-    except psutil.Error:
-        return []
-
-
-def wait_for(condition, timeout=30.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(interval)
 
 
 def gone(pids, timeout=15.0) -> bool:

@@ -1,0 +1,353 @@
+"""A worker's memory: where its results live (RAM or local disk), and what the process's
+memory use asks of it (spill, pause, resume).
+
+With a memory limit, ``worker.data`` is a `SpillBuffer`: a ``zict.Buffer`` whose fast
+side is a dict weighed by each result's size and whose slow side is `SpillDirectory`,
+files in a private directory. Past ``target`` × limit of results held in RAM, the least
+recently used go to disk as they are stored; reading a spilled key brings it back. A
+`MemoryMonitor` reads the process's resident memory every `MONITOR_INTERVAL` seconds:
+past ``spill`` × limit it spills least recently used results until the process should
+be back under ``target``; past ``pause`` × limit it asks the worker to start no task
+until memory falls back under it. Past ``terminate`` the nanny kills and restarts the
+process (nanny.py). The defaults are dask's: 0.6, 0.7, 0.8 and 0.95.
+
+Nothing here raises into the worker: a value that cannot be pickled, or a disk that is
+full or failing, keeps the value in RAM (counted, and logged once per minute).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable, MutableMapping
+
+import psutil
+import zict
+
+from .serialize import dumps_data, loads_data
+
+logger = logging.getLogger("distributed_server.worker")
+
+__all__ = ["MONITOR_INTERVAL", "MemoryMonitor", "SpillBuffer", "SpillDirectory",
+           "check_fractions"]
+
+#: Default fractions of the memory limit (dask's): results held in RAM past ``target``
+#: spill as they are stored; process memory past ``spill`` spills until under ``target``;
+#: past ``pause`` no new task starts.
+TARGET_FRACTION = 0.6
+SPILL_FRACTION = 0.7
+PAUSE_FRACTION = 0.8
+#: Seconds between two readings of the process's memory.
+MONITOR_INTERVAL = 0.1
+#: The longest the monitor spills in one go before it lets the event loop run.
+SPILL_SLICE_SECONDS = 0.05
+#: Results of at most this many bytes never spill (SpillBuffer).
+SMALL_RESULT_BYTES = 1024
+#: After a disk error, seconds during which no spill is tried (values stay in RAM).
+DISK_RETRY_SECONDS = 30.0
+_LOG_EVERY = 60.0
+_MISSING = object()
+
+
+def check_fractions(target, spill, pause) -> None:
+    """Raise ValueError unless each fraction is a number in (0, 1] or False/None (off)."""
+    for name, value in (("target", target), ("spill", spill), ("pause", pause)):
+        if value is None or value is False:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value <= 1:
+            raise ValueError(f"memory {name} fraction must be in (0, 1] or False, "
+                             f"got {value!r}")
+
+
+class SpillDirectory(MutableMapping):
+    """The slow side of a `SpillBuffer`: each value pickled into one file of a private
+    directory (``zict.File``), with the frames' lengths in a small header.
+
+    A value that cannot be pickled, and any value while the disk is failing, is kept in
+    RAM here instead (``kept``), so eviction never fails and nothing is lost."""
+
+    def __init__(self, parent: str | None = None) -> None:
+        self.directory = tempfile.mkdtemp(prefix=f"dcore-spill-{os.getpid()}-", dir=parent)
+        self._files = zict.File(self.directory)
+        self.sizes: dict = {}  # key -> bytes on disk
+        self._names: dict = {}  # key -> its file's name
+        self._counter = itertools.count()
+        self.spilled_bytes = 0
+        self.kept: dict = {}  # key -> value held in RAM: it cannot be written
+        self.unpicklable: set = set()
+        self._disk_failed_until = 0.0
+        self._last_log = -_LOG_EVERY
+
+    def __setitem__(self, key, value) -> None:
+        self.discard(key)
+        if key in self.unpicklable or time.monotonic() < self._disk_failed_until:
+            self.kept[key] = value
+            return
+        try:
+            frames = dumps_data(value)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: keep it in RAM
+            self.unpicklable.add(key)
+            self.kept[key] = value
+            self._log("cannot spill %r: its value (%s) cannot be pickled: %s; keeping it in "
+                      "memory", key, type(value).__name__, exc)
+            return
+        header = struct.pack(f"<I{len(frames)}Q", len(frames),
+                             *(memoryview(f).nbytes for f in frames))
+        name = str(next(self._counter))
+        try:
+            self._files[name] = [header, *frames]
+        except OSError as exc:
+            self._files.discard(name)
+            self._disk_failed_until = time.monotonic() + DISK_RETRY_SECONDS
+            self.kept[key] = value
+            self._log("cannot spill to %s: %s; keeping results in memory for %.0fs",
+                      self.directory, exc, DISK_RETRY_SECONDS)
+            return
+        size = len(header) + sum(memoryview(f).nbytes for f in frames)
+        self.sizes[key] = size
+        self._names[key] = name
+        self.spilled_bytes += size
+
+    def __getitem__(self, key):
+        try:
+            return self.kept[key]
+        except KeyError:
+            pass
+        if key not in self.sizes:
+            raise KeyError(key)
+        blob = memoryview(self._files[self._names[key]])
+        (n,) = struct.unpack_from("<I", blob)
+        lengths = struct.unpack_from(f"<{n}Q", blob, 4)
+        frames, offset = [], 4 + 8 * n
+        for length in lengths:
+            frames.append(blob[offset:offset + length])
+            offset += length
+        return loads_data(frames)
+
+    def __delitem__(self, key) -> None:
+        if key in self.kept:
+            del self.kept[key]
+            self.unpicklable.discard(key)
+            return
+        size = self.sizes.pop(key)  # KeyError if absent, as a mapping should
+        self.spilled_bytes -= size
+        self._files.discard(self._names.pop(key))
+
+    def discard(self, key) -> None:
+        """Drop ``key`` if held."""
+        try:
+            del self[key]
+        except KeyError:
+            pass
+
+    def __contains__(self, key) -> bool:
+        return key in self.sizes or key in self.kept
+
+    def __iter__(self):
+        yield from self.sizes
+        yield from self.kept
+
+    def __len__(self) -> int:
+        return len(self.sizes) + len(self.kept)
+
+    def close(self) -> None:
+        """Forget everything and remove the directory."""
+        self.sizes.clear()
+        self._names.clear()
+        self.kept.clear()
+        self.unpicklable.clear()
+        self.spilled_bytes = 0
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _log(self, text: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY:
+            self._last_log = now
+            logger.warning(text, *args)
+
+
+class SpillBuffer(MutableMapping):
+    """``worker.data`` under a memory limit: results in RAM up to ``target_bytes`` of
+    their sizes (``weight(key, value)``), the least recently used beyond that on disk
+    (a ``zict.Buffer`` over a `SpillDirectory`). Reading a spilled key brings it back,
+    spilling others if need be.
+
+    Results of at most `SMALL_RESULT_BYTES` stay in a plain dict and never spill: on disk
+    they would save less than the bookkeeping of a spilled key costs, and storing one
+    costs a dict assignment instead of the buffer's locks and LRU (the no-op task path).
+    Their bytes count in `memory_bytes` all the same."""
+
+    def __init__(self, target_bytes: float, weight: Callable, directory: str | None = None):
+        self.weight = weight
+        self.small: dict = {}  # key -> value
+        self._small_weights: dict = {}  # key -> its weight
+        self.small_bytes = 0
+        self.buffer = zict.Buffer({}, SpillDirectory(directory), target_bytes, weight=weight)
+
+    def __setitem__(self, key, value) -> None:
+        weight = self.weight(key, value)
+        if weight <= SMALL_RESULT_BYTES:
+            if key in self.buffer:
+                del self.buffer[key]
+            self.small_bytes += weight - self._small_weights.get(key, 0)
+            self._small_weights[key] = weight
+            self.small[key] = value
+            return
+        if key in self.small:
+            self._pop_small(key)
+        self.buffer[key] = value
+
+    def __getitem__(self, key):
+        value = self.small.get(key, _MISSING)
+        if value is _MISSING:
+            return self.buffer[key]
+        return value
+
+    def __delitem__(self, key) -> None:
+        if key in self.small:
+            self._pop_small(key)
+        else:
+            del self.buffer[key]
+
+    def discard(self, key) -> None:
+        """Drop ``key`` if held; a spilled value's file is deleted, not read back (as
+        ``pop`` would)."""
+        if key in self.small:
+            self._pop_small(key)
+        elif key in self.buffer:
+            del self.buffer[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.small or key in self.buffer
+
+    def __iter__(self):
+        yield from self.small
+        yield from self.buffer
+
+    def __len__(self) -> int:
+        return len(self.small) + len(self.buffer)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of results held in RAM (their sizes): small, buffered and kept ones."""
+        kept = self.buffer.slow.kept
+        return (self.small_bytes + int(self.buffer.fast.total_weight)
+                + sum(self.weight(k, v) for k, v in kept.items()))
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Bytes of results on disk."""
+        return self.buffer.slow.spilled_bytes
+
+    @property
+    def spilled_count(self) -> int:
+        """How many results are on disk."""
+        return len(self.buffer.slow.sizes)
+
+    def spill_oldest(self) -> int | None:
+        """Move the least recently used result in RAM to disk: the weight moved (0 if it
+        could not be written and stays in RAM), None if no result is left to spill."""
+        try:
+            key, _, weight = self.buffer.fast.evict()
+        except KeyError:
+            return None
+        if key is None or key in self.buffer.slow.kept:
+            return 0
+        return int(weight)
+
+    def clear(self) -> None:
+        """Drop every result (spilled files included)."""
+        self.small.clear()
+        self._small_weights.clear()
+        self.small_bytes = 0
+        self.buffer.fast.clear()
+        for key in list(self.buffer.slow):
+            self.buffer.slow.discard(key)
+
+    def close(self) -> None:
+        """Drop every result and remove the spill directory."""
+        self.clear()
+        self.buffer.slow.close()
+
+    def _pop_small(self, key):
+        self.small_bytes -= self._small_weights.pop(key)
+        return self.small.pop(key)
+
+
+class MemoryMonitor:
+    """Reads the process's memory and tells what to do about it; one `check` per
+    `MONITOR_INTERVAL`. ``spill``/``pause`` are fractions of ``limit`` or None (off)."""
+
+    def __init__(self, limit: int, buffer: SpillBuffer | None, target: float | None,
+                 spill: float | None, pause: float | None,
+                 rss: Callable[[], int] | None = None) -> None:
+        self.limit = limit
+        self.buffer = buffer
+        self.target = target
+        self.spill = spill
+        self.pause = pause
+        self.rss = rss if rss is not None else _process_rss()
+        self.memory = 0  # the last reading
+        self.paused = False
+        #: The last check ran out of time with more to spill: check again at once.
+        self.behind = False
+        self._last_spill_log = -_LOG_EVERY
+
+    def check(self) -> bool | None:
+        """Read memory, spill if past ``spill``; True to pause, False to resume, None if
+        the paused state should not change."""
+        memory = self.memory = self.rss()
+        self.behind = False
+        if self.spill and self.buffer is not None and memory > self.spill * self.limit:
+            self._spill(memory)
+        if not self.pause:
+            return None
+        over = memory > self.pause * self.limit
+        if over != self.paused:
+            self.paused = over
+            return over
+        return None
+
+    def _spill(self, memory: int) -> None:
+        """Spill the least recently used results until about ``memory - target × limit``
+        bytes of them are on disk, for at most `SPILL_SLICE_SECONDS`."""
+        goal = (self.target or self.spill) * self.limit
+        need = memory - goal
+        moved = count = 0
+        deadline = time.monotonic() + SPILL_SLICE_SECONDS
+        while moved < need:
+            if time.monotonic() > deadline:
+                self.behind = True
+                break
+            weight = self.buffer.spill_oldest()
+            if weight is None:
+                break
+            moved += weight
+            count += 1
+        now = time.monotonic()
+        if count and now - self._last_spill_log >= _LOG_EVERY:
+            self._last_spill_log = now
+            logger.info("memory %s is over %.0f%% of the limit %s: spilled %d results (%s)",
+                        _mb(memory), 100 * self.spill, _mb(self.limit), count, _mb(moved))
+        elif not count and not self.buffer.buffer.fast and now - self._last_spill_log >= _LOG_EVERY:
+            self._last_spill_log = now
+            logger.warning("memory %s is over %.0f%% of the limit %s with no result left "
+                           "to spill: task code or a leak holds it", _mb(memory),
+                           100 * self.spill, _mb(self.limit))
+
+
+def _process_rss() -> Callable[[], int]:
+    process = psutil.Process()
+
+    def rss() -> int:
+        return process.memory_info().rss
+    return rss
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"

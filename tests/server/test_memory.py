@@ -1,0 +1,199 @@
+"""Worker memory management: the spill buffer, the monitor, and a real cluster that
+holds three times its memory limit.
+
+The buffer and the monitor are tested directly, with real files (a disk that fails is a
+spill directory removed under the buffer's feet). The end-to-end test runs a
+``dcore scheduler --validate`` process (no ERROR line allowed in its log) and ``dcore
+worker --memory-limit`` under its nanny: the worker must spill, keep every result
+correct, report what it spilled with its heartbeat, and never be killed for its memory.
+"""
+import os
+import pickle
+import sys
+import threading
+
+import cloudpickle
+import pytest
+
+from distributed_server import Client
+from distributed_server.memory import MemoryMonitor, SpillBuffer, check_fractions
+from server_helpers import Processes, children, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MiB = 2**20
+
+
+def weight_by_len(key, value) -> int:
+    return len(value) if isinstance(value, (bytes, bytearray)) else 4096
+
+
+def buffer(target=3 * MiB, directory=None) -> SpillBuffer:
+    return SpillBuffer(target, weight_by_len, directory)
+
+
+# ---------------------------------------------------------------------------- the buffer
+
+
+def test_results_past_the_target_spill_oldest_first_and_come_back_intact(tmp_path):
+    data = buffer(directory=str(tmp_path))
+    values = {f"k{i}": bytes([i]) * MiB for i in range(5)}
+    for key, value in values.items():
+        data[key] = value
+    assert set(data.buffer.slow) == {"k0", "k1"} and set(data.buffer.fast) == {"k2", "k3", "k4"}
+    assert data.spilled_count == 2 and data.spilled_bytes >= 2 * MiB
+    assert data.memory_bytes == 3 * MiB
+    assert len(os.listdir(data.buffer.slow.directory)) == 2
+    assert data["k0"] == values["k0"]  # read back: now the most recent, k2 spills
+    assert set(data.buffer.slow) == {"k1", "k2"}
+    del data["k1"]
+    assert "k1" not in data and data.spilled_count == 1 and len(data) == 4
+    data.discard("k2")  # a spilled key is deleted, not read back
+    data.discard("nothing")
+    assert data.spilled_count == 0 and set(data.buffer.fast) == {"k0", "k3", "k4"}
+    assert data.pop("k3") == values["k3"] and data.pop("nothing", 7) == 7
+    data["k5"] = values["k0"]
+    data["k6"] = values["k0"]  # k4 spills
+    assert dict(data.items()) == {"k0": values["k0"], "k4": values["k4"],
+                                  "k5": values["k0"], "k6": values["k0"]}
+    data.close()
+    assert not os.path.exists(data.buffer.slow.directory)
+
+
+def test_small_results_never_spill_and_count_in_memory(tmp_path):
+    data = buffer(target=2 * MiB, directory=str(tmp_path))
+    for i in range(100):
+        data[f"s{i}"] = b"s" * 1000
+    data["big"] = b"b" * 3 * MiB  # heavier than the target: straight to disk
+    assert data.spilled_count == 1 and len(data.small) == 100
+    assert data.memory_bytes == 100 * 1000
+    data["s0"] = b"now big" * MiB
+    assert "s0" not in data.small and data["s0"] == b"now big" * MiB
+    assert data.memory_bytes == 99 * 1000 + 7 * MiB or data.spilled_count == 2
+    del data["s1"]
+    assert data.memory_bytes in (98 * 1000, 98 * 1000 + 7 * MiB) and len(data) == 100
+
+
+def test_an_unpicklable_result_stays_in_memory_and_other_results_still_spill(tmp_path):
+    data = buffer(directory=str(tmp_path))
+    lock = threading.Lock()  # cannot be pickled
+    data["lock"] = lock
+    for i in range(4):
+        data[f"k{i}"] = b"x" * MiB
+    assert "lock" in data.buffer.slow.kept and data.spilled_count == 1  # k0 went to disk
+    assert data.memory_bytes == 3 * MiB + 4096
+    assert data["lock"] is lock  # never lost
+    with pytest.raises(TypeError):
+        pickle.dumps(lock)
+
+
+def test_a_failing_disk_keeps_results_in_memory_and_loses_nothing(tmp_path):
+    data = buffer(directory=str(tmp_path))
+    data["a"] = b"a" * 2 * MiB
+    data["b"] = b"b" * 2 * MiB  # a spills
+    assert data.spilled_count == 1
+    import shutil
+    shutil.rmtree(data.buffer.slow.directory)  # the disk "fails": every write now raises
+    data["c"] = b"c" * 2 * MiB
+    data["d"] = b"d" * 2 * MiB
+    assert data["b"] == b"b" * 2 * MiB and data["c"] == b"c" * 2 * MiB
+    assert data["d"] == b"d" * 2 * MiB
+    assert set(data.buffer.slow.kept) >= {"b"}  # kept in RAM, not dropped
+
+
+def test_fractions_are_checked():
+    check_fractions(0.6, 0.7, 0.8)
+    check_fractions(None, False, 0.8)
+    for bad in (0, 1.5, -0.1, "0.6", True):
+        with pytest.raises(ValueError, match="fraction"):
+            check_fractions(bad, 0.7, 0.8)
+
+
+# ---------------------------------------------------------------------------- the monitor
+
+
+def test_the_monitor_spills_past_spill_and_pauses_past_pause_then_resumes(tmp_path):
+    data = buffer(target=100 * MiB, directory=str(tmp_path))
+    for i in range(10):
+        data[f"k{i}"] = b"x" * MiB
+    readings = [50 * MiB]
+    monitor = MemoryMonitor(100 * MiB, data, 0.6, 0.7, 0.8, rss=lambda: readings[-1])
+    assert monitor.check() is None and data.spilled_count == 0
+    readings.append(65 * MiB)  # over target but under spill: the buffer's own business
+    assert monitor.check() is None and data.spilled_count == 0
+    readings.append(75 * MiB)  # over spill: about 15 MiB must go, there are 10
+    assert monitor.check() is None
+    assert data.spilled_count == 10 and not data.buffer.fast
+    readings.append(85 * MiB)
+    assert monitor.check() is True and monitor.paused
+    assert monitor.check() is None  # still paused: no change to report
+    readings.append(79 * MiB)
+    assert monitor.check() is False and not monitor.paused
+
+
+def test_a_monitor_without_pause_never_pauses():
+    monitor = MemoryMonitor(100 * MiB, None, 0.6, None, None, rss=lambda: 99 * MiB)
+    assert monitor.check() is None and not monitor.paused
+
+
+# ---------------------------------------------------------------------------- a real cluster
+
+
+def block(i, nbytes):
+    """A result of ``nbytes`` that is really written to memory."""
+    return bytes([i % 256]) * nbytes
+
+
+def checksum(b):
+    return (len(b), b[0], b[-1])
+
+
+def test_a_worker_holds_three_times_its_memory_limit_by_spilling(tmp_path):
+    limit = 300 * MiB
+    n, size = 90, 10 * MiB  # 900 MiB of results
+    processes = Processes(tmp_path)
+    try:
+        nanny = processes.nanny("--memory-limit", str(limit), "--local-directory",
+                                str(tmp_path))
+        with Client(processes.address, security=processes.security,
+                    set_as_default=False) as client:
+            client.wait_for_workers(1, timeout=30)
+            (worker,) = client.scheduler_info()["workers"]
+            (pid,) = [p.pid for p in wait_for(lambda: children(nanny))]
+            blocks = client.map(block, range(n), [size] * n)
+            sums = client.map(checksum, blocks)
+            assert client.gather(sums) == [(size, i, i) for i in range(n)]
+            # Heartbeats (every second) tell the scheduler what is held where.
+            info = wait_for(lambda: _holding(client, worker, n * size))
+            assert info["spilled"] >= n * size - limit, info
+            assert info["managed"] <= 0.6 * limit and info["memory"] < 0.95 * limit, info
+            # Spilled results are served to clients transparently.
+            assert client.gather(blocks[0]) == block(0, size)
+            assert client.gather(blocks[n // 2]) == block(n // 2, size)
+            # Never killed for its memory: the same worker process throughout.
+            assert set(client.scheduler_info()["workers"]) == {worker}
+            assert [p.pid for p in children(nanny)] == [pid]
+            spill_dirs = [d for d in os.listdir(tmp_path) if d.startswith("dcore-spill-")]
+            assert len(spill_dirs) == 1
+            del blocks, sums
+            wait_for(lambda: _holding(client, worker, 0))
+        log = processes.log("nanny.log")
+        assert "killed for its memory" not in log, log
+    finally:
+        processes.close()
+    processes.assert_no_errors()
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("dcore-spill-")]
+
+
+def _holding(client, worker, nbytes):
+    """The worker's heartbeat figures once it holds at least ``nbytes`` in RAM and on
+    disk (with 0: nothing on disk), else None."""
+    info = client.scheduler_info()["workers"][worker]
+    if info["spilled"] is None:
+        return None
+    if nbytes and info["managed"] + info["spilled"] >= nbytes:
+        return info
+    if not nbytes and info["spilled"] == 0:
+        return info
+    return None
