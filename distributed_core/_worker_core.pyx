@@ -709,14 +709,15 @@ class WorkerCore:
         return self._end()
 
     def pause(self, stimulus_id) -> list:
-        """Start no new executions (memory is short) until ``unpause``."""
+        """Start no new executions and no new fetches (memory is short) until
+        ``unpause``; executions and transfers under way go on."""
         _check_str(stimulus_id, "stimulus_id")
         self._begin(stimulus_id)
         self.paused = True
         return self._end()
 
     def unpause(self, stimulus_id) -> list:
-        """Start executions again."""
+        """Start executions and fetches again."""
         _check_str(stimulus_id, "stimulus_id")
         self._begin(stimulus_id)
         self.paused = False
@@ -973,7 +974,7 @@ class WorkerCore:
                         and self._needed(ts):
                     continue  # needed again since it was recommended
                 self._transition(ts, finish)
-            if self.data_needed:
+            if self.data_needed and not self.paused:  # paused: memory is short
                 self._plan_fetches()
             if recs:
                 continue  # given-back tasks released their inputs
@@ -1418,7 +1419,7 @@ class WorkerCore:
             _check(ts.state == CONSTRAINED, f"{ts} is listed as constrained")
         for ts in self.data_needed:
             _check(ts.state == FETCH, f"{ts} is listed as to fetch")
-        _check(not self.data_needed, "fetches were left unplanned")
+        _check(not self.data_needed or self.paused, "fetches were left unplanned")
         n_flight = 0
         for peer, asked in self.in_flight.items():
             _check(len(asked) > 0, f"an empty in-flight entry for {peer}")

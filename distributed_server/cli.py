@@ -42,6 +42,7 @@ from .security import (
     new_token,
     write_tls_files,
 )
+from .worker import SCHEDULER_TIMEOUT
 
 
 def main(argv: list | None = None) -> int:
@@ -150,6 +151,13 @@ def _parser() -> argparse.ArgumentParser:
         worker.add_argument(f"--memory-{step}-fraction", type=_fraction, default=default,
                             help=f"fraction of the memory limit: {what} (default "
                                  f"%(default)s; 0: off)")
+    worker.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT,
+                        help="seconds without a word from the scheduler after which the "
+                             "worker drops its data and registers again (default "
+                             "%(default)s)")
+    worker.add_argument("--reconnect-timeout", type=float, default=10.0,
+                        help="seconds a worker that lost the scheduler tries to register "
+                             "again before it exits (default %(default)s)")
     worker.add_argument("--local-directory", default=None,
                         help="where spilled results go (default: the temporary directory)")
     worker.add_argument("--log-level", default="INFO")
@@ -311,7 +319,9 @@ async def _run_worker(args) -> int:
                     memory_target_fraction=args.memory_target_fraction or None,
                     memory_spill_fraction=args.memory_spill_fraction or None,
                     memory_pause_fraction=args.memory_pause_fraction or None,
-                    local_directory=args.local_directory)
+                    local_directory=args.local_directory,
+                    scheduler_timeout=args.scheduler_timeout,
+                    reconnect_timeout=args.reconnect_timeout)
     await worker.start()
     print(f"Worker at {worker.address} connected to {args.address}", flush=True)
     _tell_nanny(worker.address)
@@ -351,6 +361,8 @@ async def _run_nanny(args, memory_limit: int) -> int:
                         repr(getattr(args, f"memory_{step}_fraction"))]
     if args.local_directory:
         worker_args += ["--local-directory", args.local_directory]
+    worker_args += ["--scheduler-timeout", repr(args.scheduler_timeout),
+                    "--reconnect-timeout", repr(args.reconnect_timeout)]
     if args.name is None:
         names = [None] * args.nworkers
     elif args.nworkers == 1:

@@ -344,6 +344,9 @@ class Scheduler:
                 continue
             if op == "heartbeat":
                 self.worker_memory[address] = _memory_figures(msg, address)
+                comm = self.worker_comms.get(address)
+                if comm is not None:  # the worker's proof that we are alive
+                    _send_quietly(comm, {"op": "heartbeat"})
                 continue
             self._flush_reports(address, finished, erred)
             finished, erred = [], []

@@ -32,7 +32,9 @@ machine has that key in memory.
   (``errors``) and dropped (``serve_failed``): the scheduler recomputes it, and the
   recomputation must show that its result serializes, or the task fails with an error
   naming the key, the type, the size and the cause, instead of looping.
-- Sends a heartbeat every ``heartbeat_interval``. On losing the scheduler it drops all
+- Sends a heartbeat every ``heartbeat_interval``, with its memory figures; the scheduler
+  answers each. A scheduler silent for ``scheduler_timeout`` (60 s) counts as lost, as
+  does a closed connection. On losing the scheduler it drops all
   data and tasks (``scheduler_lost``: the scheduler will treat it as a new worker) and
   tries to register again for ``reconnect_timeout`` seconds; then it shuts down.
 
@@ -123,6 +125,9 @@ MAX_THREADS = 2**31 - 1
 #: A result's size is reported clamped to this: a broken __sizeof__ cannot make the
 #: scheduler refuse the report.
 MAX_REPORTED_NBYTES = 2**62
+#: Seconds of silence (the scheduler answers every heartbeat) after which a worker treats
+#: the scheduler as lost: it drops its data and tries to register again.
+SCHEDULER_TIMEOUT = 60.0
 #: Seconds a peer transfer may wait to connect, and for each frame of an answer.
 TRANSFER_TIMEOUT = 30.0
 #: The environment variable that sets the default transfer timeout (``dcore worker``).
@@ -174,6 +179,7 @@ class Worker:
     def __init__(self, scheduler_address: str, nthreads: int = 1, name=None,
                  resources: dict | None = None, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_interval: float = 1.0, reconnect_timeout: float = 10.0,
+                 scheduler_timeout: float = SCHEDULER_TIMEOUT,
                  security: Security | None = None, *, insecure: bool = False,
                  connect_timeout: float = 10.0, transfer_timeout: float | None = None,
                  transfer_part_bytes: int = TRANSFER_PART_BYTES,
@@ -212,6 +218,10 @@ class Worker:
         self.port = port
         self.heartbeat_interval = heartbeat_interval
         self.reconnect_timeout = reconnect_timeout
+        if not scheduler_timeout > 0:
+            raise ValueError(f"scheduler_timeout must be positive, got {scheduler_timeout!r}")
+        self.scheduler_timeout = scheduler_timeout
+        self._last_heard = 0.0  # loop time of the scheduler's last frame
         self.connect_timeout = connect_timeout
         self.transfer_timeout = transfer_timeout
         self.transfer_part_bytes = transfer_part_bytes
@@ -474,6 +484,7 @@ class Worker:
         if role != "scheduler":
             logger.warning("%s answered with role %r, not 'scheduler'", comm.peer_address, role)
         self._scheduler_comm = comm
+        self._last_heard = self._loop.time()
 
     async def _read_scheduler(self) -> None:
         """Read the scheduler's batches until told to close or the scheduler is gone."""
@@ -491,6 +502,7 @@ class Worker:
                     if not await self._reconnect():
                         break
                     continue
+                self._last_heard = self._loop.time()
                 self._handle_batch(msgs)
                 del msgs  # not kept alive while waiting for the next batch
                 if self._close_requested:
@@ -539,7 +551,7 @@ class Worker:
                 tasks.append(msg)
             elif op == "close":
                 self._close_requested = True
-            else:
+            elif op != "heartbeat":  # the scheduler's answer to ours: it is alive
                 logger.warning("worker %s ignores unknown operation %r from the scheduler",
                                self.address, op)
         if tasks:
@@ -584,6 +596,14 @@ class Worker:
                 pass
 
     def _heartbeat(self) -> None:
+        silent = self._loop.time() - self._last_heard
+        comm = self._scheduler_comm
+        if silent > self.scheduler_timeout and comm is not None and not comm.closed:
+            # A stopped scheduler (a hung machine) keeps its connections open: only its
+            # silence tells. Aborting makes the reader take the scheduler-lost path.
+            logger.warning("worker %s: the scheduler at %s has not answered for %.1fs; "
+                           "treating it as lost", self.address, self.scheduler_address, silent)
+            comm.abort()
         self._send({"op": "heartbeat", **self.memory_figures()})
         self._heartbeat_handle = self._loop.call_later(self.heartbeat_interval, self._heartbeat)
 

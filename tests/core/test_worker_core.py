@@ -459,6 +459,14 @@ def test_a_value_that_failed_to_travel_is_dropped_and_its_recomputation_checked(
     assert w.cannot_travel == {}  # it did
 
 
+def test_no_fetch_starts_while_paused():
+    w = core()
+    w.pause("pause")
+    assert w.compute_tasks([compute("z", {"x": [A]})], "s") == []
+    assert states(w) == {"z": "waiting", "x": "fetch"}
+    assert w.unpause("go") == [Fetch(A, ["x"])]
+
+
 def test_a_value_that_failed_to_travel_but_is_needed_here_stays_and_errs_if_asked():
     w = core()
     w.compute_tasks([compute("z", {"x": [A]})], "s")

@@ -17,6 +17,7 @@ import pytest
 
 import distributed_core
 from distributed_server import Client, LocalCluster
+from server_helpers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 # Worker processes cannot import test modules: these functions travel by value.
@@ -187,3 +188,36 @@ def test_a_stopped_scheduler_is_noticed_by_the_client_within_its_timeout(monkeyp
             assert time.monotonic() - start < 5
         finally:
             scheduler.send_signal(signal.SIGCONT)
+
+
+def test_a_stopped_scheduler_is_noticed_by_its_worker_within_its_timeout(tmp_path):
+    """SIGSTOP the scheduler: the worker, hearing nothing for --scheduler-timeout, drops
+    the connection, fails to register again within --reconnect-timeout, and exits with
+    code 0 (so a nanny would not restart it against a dead scheduler)."""
+    scheduler = subprocess.Popen(DCORE + ["scheduler", "--port", "0"], text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        address = scheduler.stdout.readline().split()[2]
+        log = tmp_path / "worker.log"
+        with open(log, "wb") as out:
+            worker = subprocess.Popen(DCORE + ["worker", address, "--no-nanny",
+                                               "--scheduler-timeout", "1.5",
+                                               "--reconnect-timeout", "1"],
+                                      stdout=out, stderr=out)
+        wait_for(lambda: "connected to the scheduler" in log.read_text())
+        scheduler.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        assert worker.wait(timeout=30) == 0
+        took = time.monotonic() - start
+        text = log.read_text()
+        assert "has not answered for" in text and "treating it as lost" in text, text
+        assert "could not reach the scheduler" in text, text
+        assert took < 1.5 + 1.0 + 1 + 3, (took, text)  # timeout + a heartbeat + reconnect
+    finally:
+        scheduler.send_signal(signal.SIGCONT)
+        for proc in (worker, scheduler):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        scheduler.stdout.close()
