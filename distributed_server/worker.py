@@ -222,6 +222,7 @@ class Worker:
             raise ValueError(f"scheduler_timeout must be positive, got {scheduler_timeout!r}")
         self.scheduler_timeout = scheduler_timeout
         self._last_heard = 0.0  # loop time of the scheduler's last frame
+        self._last_tick = 0.0  # loop time of the last heartbeat
         self.connect_timeout = connect_timeout
         self.transfer_timeout = transfer_timeout
         self.transfer_part_bytes = transfer_part_bytes
@@ -484,7 +485,7 @@ class Worker:
         if role != "scheduler":
             logger.warning("%s answered with role %r, not 'scheduler'", comm.peer_address, role)
         self._scheduler_comm = comm
-        self._last_heard = self._loop.time()
+        self._last_heard = self._last_tick = self._loop.time()
 
     async def _read_scheduler(self) -> None:
         """Read the scheduler's batches until told to close or the scheduler is gone."""
@@ -596,7 +597,13 @@ class Worker:
                 pass
 
     def _heartbeat(self) -> None:
-        silent = self._loop.time() - self._last_heard
+        now = self._loop.time()
+        if now - self._last_tick > 2 * self.heartbeat_interval + 1.0:
+            # This loop was not running (a task held the GIL, the process was stopped):
+            # the scheduler's answers may be waiting unread. Silence counts from now.
+            self._last_heard = max(self._last_heard, now)
+        self._last_tick = now
+        silent = now - self._last_heard
         comm = self._scheduler_comm
         if silent > self.scheduler_timeout and comm is not None and not comm.closed:
             # A stopped scheduler (a hung machine) keeps its connections open: only its
