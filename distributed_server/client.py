@@ -74,6 +74,7 @@ from .futures import (
     ERROR,
     FINISHED,
     FIRST_COMPLETED,
+    FIRST_EXCEPTION,
     PENDING,
     CancelledError,
     DoneAndNotDoneFutures,
@@ -89,6 +90,7 @@ from .futures import (
     _unique_states,
     as_completed,
     default_client,
+    futures_of,
     wait,
 )
 from .security import Security
@@ -106,6 +108,7 @@ from .taskspec import (
 __all__ = [
     "ALL_COMPLETED",
     "FIRST_COMPLETED",
+    "FIRST_EXCEPTION",
     "CancelledError",
     "Client",
     "DoneAndNotDoneFutures",
@@ -116,6 +119,7 @@ __all__ = [
     "TaskFailedError",
     "as_completed",
     "default_client",
+    "futures_of",
     "wait",
 ]
 
@@ -1319,7 +1323,8 @@ class Client:
     async def _wait(self, futures: list[Future], timeout, return_when: str):
         states = _unique_states(futures)
         needed = 1 if return_when == FIRST_COMPLETED else None
-        await asyncio.wait_for(self._wait_settled(states, needed=needed), timeout)
+        await asyncio.wait_for(self._wait_settled(
+            states, stop_on_error=return_when == FIRST_EXCEPTION, needed=needed), timeout)
         done = {f for f in futures if f.done()}
         return DoneAndNotDoneFutures(done, {f for f in futures if f not in done})
 
