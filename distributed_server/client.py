@@ -774,7 +774,8 @@ class Client:
 
     def submit(self, func: Callable, *args, key=None, pure: bool = True, retries: int = 0,
                priority: int = 0, workers=None, resources: dict | None = None,
-               allow_other_workers: bool = False, **kwargs) -> Future:
+               allow_other_workers: bool = False, fifo_timeout=None, actor: bool = False,
+               actors: bool = False, **kwargs) -> Future:
         """Run ``func(*args, **kwargs)`` on a worker; returns its Future at once.
 
         Futures anywhere in ``args``/``kwargs`` (nested in lists, tuples, sets, dicts)
@@ -783,7 +784,10 @@ class Client:
         shares its result; ``pure=False`` gives a fresh key. ``priority`` (higher first)
         and ``retries`` pass through; ``workers`` (addresses or names) restricts where it
         runs, loosely with ``allow_other_workers``; ``resources`` like ``{"GPU": 1}``.
+        dask's ``fifo_timeout`` is accepted and has no effect (tasks of one client run
+        in submission order already); ``actor=True`` is refused (no actors here).
         """
+        _refuse_actors("submit", actor or actors)
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
         task = _TaskEncoder(self, func, pure, options).task(args, kwargs, key)
         return self._register([task])[0]
@@ -791,10 +795,12 @@ class Client:
     def map(self, func: Callable, *iterables, key=None, pure: bool = True, retries: int = 0,
             priority: int = 0, workers=None, resources: dict | None = None,
             allow_other_workers: bool = False, batch_size: int | None = None,
+            fifo_timeout=None, actor: bool = False, actors: bool = False,
             **kwargs) -> list[Future]:
         """``submit`` over zipped ``iterables``: one update-graph per ``batch_size``
         tasks (default `MAP_BATCH_TASKS`), each taken or refused by the scheduler on its
         own. ``key`` is a key prefix or a list of keys."""
+        _refuse_actors("map", actor or actors)
         keys = key if isinstance(key, list) else None
         prefix = key if isinstance(key, str) else None
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
@@ -1381,6 +1387,12 @@ class Client:
             await asyncio.wait_for(poll(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"fewer than {n_workers} workers after {timeout}s") from None
+
+
+def _refuse_actors(method: str, wanted: bool) -> None:
+    if wanted:
+        raise NotImplementedError(f"Client.{method}(actor=True): actors are not supported "
+                                  f"by distributed-core; submit plain tasks")
 
 
 def _keys_to_futures(keys, by_key: dict):

@@ -210,6 +210,15 @@ def test_futures_of_finds_futures_in_containers_and_collections(client):
     assert len(futures_of(x)) == 2 and all(f.result().shape == (5,) for f in futures_of(x))
 
 
+def test_dask_submit_keywords_are_not_passed_to_the_function(client):
+    assert client.submit(inc, 1, fifo_timeout="100 ms").result() == 2
+    assert client.gather(client.map(inc, [1, 2], fifo_timeout=0)) == [2, 3]
+    for call in (lambda: client.submit(inc, 1, actor=True),
+                 lambda: client.map(inc, [1], actors=True)):
+        with pytest.raises(NotImplementedError, match="actors are not supported"):
+            call()
+
+
 def test_async_client(cluster):
     async def main():
         async with Client(cluster.scheduler_address, asynchronous=True,
