@@ -66,7 +66,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable
 
-from . import dask_support
+from . import dask_support, remote_run
 from .comm import Blob, Comm, CommClosedError, connect
 from .futures import (
     ALL_COMPLETED,
@@ -1335,6 +1335,75 @@ class Client:
         return DoneAndNotDoneFutures(done, {f for f in futures if f not in done})
 
     # ------------------------------------------------------------ cluster information
+
+    def run(self, function: Callable, *args, workers=None, wait: bool = True,
+            on_error: str = "raise", **kwargs):
+        """Call ``function(*args, **kwargs)`` once in every worker process (or those of
+        ``workers``: addresses or names); ``{address: result}``. A coroutine function
+        runs on the worker's event loop, any other on a thread; a ``dask_worker``
+        parameter receives the Worker. ``on_error="raise"`` raises the first error,
+        ``"return"`` puts errors in the dict. ``wait=False`` returns None at once."""
+        if on_error not in ("raise", "return"):
+            raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
+        payload = remote_run.pack_call(function, args, kwargs)
+        if not wait:
+            self._sync(self._spawn_run, payload, workers)
+            return None
+        return self._sync(self._run_everywhere, payload, workers, on_error)
+
+    async def _spawn_run(self, payload: bytes, workers) -> None:
+        task = asyncio.ensure_future(self._run_everywhere(payload, workers, "return"))
+        task.add_done_callback(_log_background_failure)
+
+    async def _run_everywhere(self, payload: bytes, workers, on_error: str) -> dict:
+        addresses = await self._worker_addresses(workers)
+
+        async def one(address):
+            try:
+                reply = await self._peer_request(address, {"op": "run", "function": payload})
+            except OSError as exc:
+                return exc
+            return remote_run.unpack_reply(reply)
+
+        results = dict(zip(addresses, await asyncio.gather(*map(one, addresses))))
+        if on_error == "raise":
+            for value in results.values():
+                if isinstance(value, BaseException):
+                    raise value
+        return results
+
+    async def _worker_addresses(self, workers) -> list:
+        """The addresses of ``workers`` (addresses or names; None: every worker)."""
+        known = (await self._request("identity"))["workers"]
+        if workers is None:
+            return list(known)
+        if isinstance(workers, (str, int)):
+            workers = [workers]
+        by_name = {info.get("name"): address for address, info in known.items()}
+        addresses = []
+        for worker in workers:
+            address = worker if worker in known else by_name.get(worker)
+            if address is None:
+                raise ValueError(f"no worker {worker!r} (known: {sorted(known)})")
+            addresses.append(address)
+        return addresses
+
+    def nthreads(self, workers=None) -> dict:
+        """``{address: threads}`` of every worker (or of ``workers``)."""
+        return self._sync(self._nthreads, workers)
+
+    async def _nthreads(self, workers) -> dict:
+        known = (await self._request("identity"))["workers"]
+        wanted = await self._worker_addresses(workers) if workers is not None else known
+        return {address: known[address]["nthreads"] for address in wanted}
+
+    def has_what(self, workers=None) -> dict:
+        """``{address: [keys it holds]}`` for every worker (or for ``workers``)."""
+        return self._sync(self._has_what, workers)
+
+    async def _has_what(self, workers) -> dict:
+        addresses = await self._worker_addresses(workers) if workers is not None else None
+        return await self._request("has-what", workers=addresses)
 
     def who_has(self, futures=None):
         """``{key: [worker address]}`` for ``futures`` (default: every key held)."""

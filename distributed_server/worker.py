@@ -99,6 +99,7 @@ from .memory import (
     check_fractions,
 )
 from .nanny import MEMORY_LIMIT_ENV
+from .remote_run import run_packed_call
 from .security import Security, check_listen_security
 from .serialize import (
     dumps_data,
@@ -798,6 +799,9 @@ class Worker:
                 msgs = await comm.read()  # an idle connection may wait: the peer pools it
                 replies, parts = [], []
                 for msg in msgs:
+                    if msg.get("op") == "run":
+                        replies.append(await self._run_function(comm, msg))
+                        continue
                     reply, more = self._answer(comm, msg)
                     replies.append(reply)
                     parts.extend(more)
@@ -836,6 +840,15 @@ class Worker:
         if op == "ping":
             return {"op": "pong"}, ()
         raise _BadRequest(f"unknown operation {op!r}")
+
+    async def _run_function(self, comm: Comm, msg: dict) -> dict:
+        """``Client.run``: call the client's function here (remote_run.py)."""
+        if comm.extra.get("role") != "client":
+            raise _BadRequest(f"run from a {comm.extra.get('role')!r} connection")
+        payload = msg.get("function")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise _BadRequest("run needs the pickled function")
+        return await run_packed_call(payload, self)
 
     def _get_data(self, msg: dict) -> tuple:
         """The answer to get-data: ``({"op": "data", "data", "missing", ...}, parts)``.

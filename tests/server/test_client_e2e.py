@@ -219,6 +219,43 @@ def test_dask_submit_keywords_are_not_passed_to_the_function(client):
             call()
 
 
+def pid_and(x, dask_worker=None):
+    import os
+    return os.getpid(), x, dask_worker.address
+
+
+async def async_double(x):
+    return 2 * x
+
+
+def test_run_calls_a_function_once_in_every_worker_process(client):
+    workers = workers_of(client)
+    results = client.run(pid_and, 7)
+    assert set(results) == set(workers)
+    assert len({pid for pid, _, _ in results.values()}) == len(workers)
+    assert all(x == 7 and address == w for w, (_, x, address) in results.items())
+    assert client.run(async_double, 4, workers=[workers[0]]) == {workers[0]: 8}
+    with pytest.raises(ZeroDivisionError, match="boom 3"):
+        client.run(boom, 3)
+    errors = client.run(boom, 3, on_error="return")
+    assert all(isinstance(e, ZeroDivisionError) for e in errors.values())
+    with pytest.raises(ValueError, match="no worker"):
+        client.run(inc, 1, workers=["nobody"])
+    assert client.run(inc, 1, wait=False) is None
+
+
+def test_nthreads_and_has_what(client):
+    workers = workers_of(client)
+    assert client.nthreads() == dict.fromkeys(workers, 1)
+    futures = client.map(span, [10_000, 10_001])  # large: they stay on their workers
+    wait(futures)
+    held = client.has_what()
+    assert set(held) == set(workers)
+    assert sorted(k for keys in held.values() for k in keys) == sorted(f.key for f in futures)
+    one = workers[0]
+    assert client.has_what([one]) == {one: held[one]}
+
+
 def test_async_client(cluster):
     async def main():
         async with Client(cluster.scheduler_address, asynchronous=True,
