@@ -323,7 +323,10 @@ class Client:
         if address is not None and cluster_kwargs:
             raise TypeError(f"unexpected arguments {sorted(cluster_kwargs)}: keyword "
                             "arguments are for the LocalCluster started when address=None")
+        #: The LocalCluster given as ``address`` (or started by this client), else None.
+        self.cluster = None
         if hasattr(address, "scheduler_address"):
+            self.cluster = address
             address = address.scheduler_address
         if isinstance(address, str) and "://" not in address:
             address = f"tcp://{address}"
@@ -370,7 +373,7 @@ class Client:
 
     def _start_sync(self) -> None:
         if self.scheduler_address is None:
-            self._cluster = self._make_cluster()
+            self._cluster = self.cluster = self._make_cluster()
             self.scheduler_address = self._cluster.scheduler_address
         self._runner = _ClientLoopThread(name=f"{self.id}-loop")
         try:
@@ -385,7 +388,7 @@ class Client:
         if self.status != _CREATED:
             return self
         if self.scheduler_address is None:
-            self._cluster = await asyncio.to_thread(self._make_cluster)
+            self._cluster = self.cluster = await asyncio.to_thread(self._make_cluster)
             self.scheduler_address = self._cluster.scheduler_address
         try:
             await self._connect()
