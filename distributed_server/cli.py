@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -42,6 +43,7 @@ from .security import (
     new_token,
     write_tls_files,
 )
+from .startup import Preload, close_after, read_scheduler_file, write_scheduler_file
 from .worker import SCHEDULER_TIMEOUT
 
 
@@ -58,11 +60,13 @@ def main(argv: list | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command in ("scheduler", "worker"):
         try:
-            if args.command == "worker" and args.host is None:
-                args.host = _listen_host_for(args.address)
+            if args.command == "worker":
+                _resolve_worker_addresses(args)
             args.security = _security_from(args)
             check_listen_security(args.host, args.security, args.insecure, args.command)
-        except (SecurityError, ValueError) as e:
+            preload_here = args.command == "scheduler" or args.no_nanny
+            args.preloads = [Preload(n) for n in args.preload] if preload_here else []
+        except (SecurityError, ValueError, TimeoutError, ImportError, OSError) as e:
             print(f"dcore {args.command}: {e}", file=sys.stderr)
             return 2
         _raise_fd_limit()
@@ -116,11 +120,38 @@ def _parser() -> argparse.ArgumentParser:
                            help="check every invariant after each stimulus (slow)")
     scheduler.add_argument("--client-idle-timeout", type=float, default=300.0,
                            help="seconds of silence after which a client is disconnected")
+    scheduler.add_argument("--scheduler-file", default=None,
+                           help="write the scheduler's address to this JSON file (for "
+                                "workers and clients started with the same path)")
+    scheduler.add_argument("--preload", action="append", default=[],
+                           help="a module or .py file to import at start; its "
+                                "dcore_setup(scheduler) runs once the scheduler listens")
     scheduler.add_argument("--log-level", default="INFO")
     _add_security_flags(scheduler)
 
     worker = commands.add_parser("worker", help="run a worker")
-    worker.add_argument("address", help="the scheduler, e.g. tcp://10.0.0.5:8786")
+    worker.add_argument("address", nargs="?", default=None,
+                        help="the scheduler, e.g. tcp://10.0.0.5:8786 (or --scheduler-file)")
+    worker.add_argument("--scheduler-file", default=None,
+                        help="read the scheduler's address from this file (waits for it "
+                             "up to --death-timeout)")
+    worker.add_argument("--listen-address", default=None,
+                        help="where to listen for peers, e.g. tcp://0.0.0.0:9000 (instead "
+                             "of --host/--port)")
+    worker.add_argument("--contact-address", default=None,
+                        help="the address other processes reach this worker at, when it "
+                             "differs from where it listens (containers, NAT)")
+    worker.add_argument("--death-timeout", type=float, default=None,
+                        help="seconds to wait for the scheduler at start (and to find it "
+                             "again once lost) before exiting")
+    worker.add_argument("--lifetime", type=float, default=None,
+                        help="close the worker after this many seconds (its data is then "
+                             "recomputed elsewhere if still wanted)")
+    worker.add_argument("--lifetime-restart", action="store_true",
+                        help="with --lifetime: the nanny starts a fresh worker")
+    worker.add_argument("--preload", action="append", default=[],
+                        help="a module or .py file to import at start; its "
+                             "dcore_setup(worker) runs once the worker is registered")
     worker.add_argument("--nthreads", type=int, default=1)
     worker.add_argument("--name", default=None)
     worker.add_argument("--resources", default="", type=_resources,
@@ -301,17 +332,52 @@ async def _run_scheduler(args) -> int:
                           validate=args.validate, worker_saturation=args.worker_saturation,
                           security=args.security, insecure=args.insecure,
                           client_idle_timeout=args.client_idle_timeout)
+    preloads = args.preloads
     await scheduler.start()
     _tune_gc_for_a_server()
+    for preload in preloads:
+        await preload.setup(scheduler)
+    if args.scheduler_file:
+        write_scheduler_file(args.scheduler_file, scheduler.address)
     kind = "compiled" if distributed_core.COMPILED else "interpreted"
     print(f"Scheduler at {scheduler.address} (distributed-core "
           f"{distributed_core.__version__}, core {kind})", flush=True)
-    await _serve_until_signal(scheduler)
+    try:
+        await _serve_until_signal(scheduler)
+    finally:
+        if args.scheduler_file:
+            with contextlib.suppress(OSError):
+                os.remove(args.scheduler_file)
+    for preload in preloads:
+        await preload.teardown(scheduler)
     return 0
 
 
+def _resolve_worker_addresses(args) -> None:
+    """The scheduler's address (given, or from --scheduler-file) and where to listen
+    (--listen-address, else --host/--port, else the interface that reaches the
+    scheduler). ValueError or TimeoutError with a one-line reason."""
+    if args.address is None:
+        if args.scheduler_file is None:
+            raise ValueError("give the scheduler's address or --scheduler-file")
+        args.address = read_scheduler_file(args.scheduler_file,
+                                           timeout=args.death_timeout or 60.0)
+    if args.listen_address is not None:
+        _, args.host, args.port = parse_address(args.listen_address)
+    if args.host is None:
+        args.host = _listen_host_for(args.address)
+    if args.contact_address is not None:
+        parse_address(args.contact_address)  # ValueError if malformed
+        if args.nworkers > 1 and not args.no_nanny:
+            raise ValueError("--contact-address names one worker: use it with "
+                             "--nworkers 1")
+
+
 async def _run_worker(args) -> int:
+    from .nanny import LIFETIME_EXIT_CODE
     from .worker import Worker
+
+    preloads = args.preloads
 
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,
                     resources=args.resources or None, host=args.host, port=args.port,
@@ -321,11 +387,22 @@ async def _run_worker(args) -> int:
                     memory_pause_fraction=args.memory_pause_fraction or None,
                     local_directory=args.local_directory,
                     scheduler_timeout=args.scheduler_timeout,
-                    reconnect_timeout=args.reconnect_timeout)
+                    reconnect_timeout=args.death_timeout or args.reconnect_timeout,
+                    connect_timeout=args.death_timeout or 10.0,
+                    contact_address=args.contact_address)
     await worker.start()
     print(f"Worker at {worker.address} connected to {args.address}", flush=True)
     _tell_nanny(worker.address)
+    for preload in preloads:
+        await preload.setup(worker)
+    lifetime = None
+    if args.lifetime:
+        lifetime = asyncio.get_running_loop().create_task(close_after(worker, args.lifetime))
     await _serve_until_signal(worker)
+    for preload in preloads:
+        await preload.teardown(worker)
+    if lifetime is not None and lifetime.done() and args.lifetime_restart:
+        return LIFETIME_EXIT_CODE
     return 0
 
 
@@ -363,6 +440,14 @@ async def _run_nanny(args, memory_limit: int) -> int:
         worker_args += ["--local-directory", args.local_directory]
     worker_args += ["--scheduler-timeout", repr(args.scheduler_timeout),
                     "--reconnect-timeout", repr(args.reconnect_timeout)]
+    for flag in ("contact_address", "death_timeout", "lifetime"):
+        value = getattr(args, flag)
+        if value is not None:
+            worker_args += ["--" + flag.replace("_", "-"), str(value)]
+    if args.lifetime_restart:
+        worker_args.append("--lifetime-restart")
+    for name in args.preload:
+        worker_args += ["--preload", name]
     if args.name is None:
         names = [None] * args.nworkers
     elif args.nworkers == 1:

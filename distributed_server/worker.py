@@ -169,6 +169,9 @@ class Worker:
     each frame of a transfer, both ways. ``validate`` checks the state
     machine's invariants after every stimulus (tests).
 
+    ``contact_address`` is the address announced to the scheduler and peers when it is
+    not where the worker listens (containers, NAT: they forward it to ``host:port``).
+
     ``memory_limit`` (bytes; default ``DCORE_MEMORY_LIMIT`` from the environment, as the
     nanny sets it, else none) turns on memory management (memory.py): results past
     ``memory_target_fraction`` of it spill to files under ``local_directory``, process
@@ -189,7 +192,7 @@ class Worker:
                  memory_target_fraction: float | None = TARGET_FRACTION,
                  memory_spill_fraction: float | None = SPILL_FRACTION,
                  memory_pause_fraction: float | None = PAUSE_FRACTION,
-                 local_directory: str | None = None,
+                 local_directory: str | None = None, contact_address: str | None = None,
                  validate: bool = False) -> None:
         if type(nthreads) is not int or not 1 <= nthreads <= MAX_THREADS:
             raise ValueError(f"nthreads must be an int from 1 to {MAX_THREADS}, "
@@ -239,6 +242,11 @@ class Worker:
         self.memory_spill_fraction = memory_spill_fraction or None
         self.memory_pause_fraction = memory_pause_fraction or None
         self.local_directory = local_directory
+        if contact_address is not None and \
+                parse_address(contact_address)[0] != self.security.scheme:
+            raise ValueError(f"contact address {contact_address!r} does not fit the "
+                             f"security given (use {self.security.scheme}://)")
+        self.contact_address = contact_address
         self.address = ""
         self.status = CREATED
         #: key -> value: a dict, or with a memory limit a SpillBuffer (memory.py).
@@ -283,8 +291,8 @@ class Worker:
         self._listener = await listen(_join_address(scheme, self.host, self.port),
                                       self._serve_peer, {"role": "worker"}, self.security)
         bound_port = self._listener.port
-        self.address = _join_address(scheme, _contact_host(self.host, self.scheduler_address),
-                                     bound_port)
+        self.address = self.contact_address or _join_address(
+            scheme, _contact_host(self.host, self.scheduler_address), bound_port)
         self._listener.set_handshake_info(address=self.address)  # known once bound
         self.state = WorkerCore(self.address, self.nthreads, resources=self.resources or None,
                                 validate=self.validate, clock=time.time,
