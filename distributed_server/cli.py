@@ -33,6 +33,7 @@ import sys
 
 import distributed_core
 
+from . import config
 from .comm import parse_address
 from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
 from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
@@ -112,14 +113,17 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--host", default="127.0.0.1",
                            help="interface to listen on (0.0.0.0 for every interface)")
     scheduler.add_argument("--port", type=int, default=8786)
-    scheduler.add_argument("--worker-ttl", type=float, default=300.0,
-                           help="seconds of silence after which a worker is removed")
-    scheduler.add_argument("--worker-saturation", type=float, default=1.1,
-                           help="tasks per thread before root tasks queue (inf: no queue)")
+    scheduler.add_argument("--worker-ttl", type=float, default=None,
+                           help="seconds of silence after which a worker is removed "
+                                "(default: configuration, else 300)")
+    scheduler.add_argument("--worker-saturation", type=float, default=None,
+                           help="tasks per thread before root tasks queue (inf: no queue; "
+                                "default: configuration, else 1.1)")
     scheduler.add_argument("--validate", action="store_true",
                            help="check every invariant after each stimulus (slow)")
-    scheduler.add_argument("--client-idle-timeout", type=float, default=300.0,
-                           help="seconds of silence after which a client is disconnected")
+    scheduler.add_argument("--client-idle-timeout", type=float, default=None,
+                           help="seconds of silence after which a client is disconnected "
+                                "(default: configuration, else 300)")
     scheduler.add_argument("--scheduler-file", default=None,
                            help="write the scheduler's address to this JSON file (for "
                                 "workers and clients started with the same path)")
@@ -170,22 +174,23 @@ def _parser() -> argparse.ArgumentParser:
                              "machine's memory divided by --nworkers; the default) or 0 "
                              "(none). The nanny restarts a worker past "
                              "--memory-terminate-fraction of it")
-    worker.add_argument("--memory-terminate-fraction", type=float, default=TERMINATE_FRACTION,
+    worker.add_argument("--memory-terminate-fraction", type=_fraction, default=None,
                         help="fraction of the memory limit past which the nanny kills and "
-                             "restarts a worker (default %(default)s; 0: never)")
+                             f"restarts a worker (default: configuration, else "
+                             f"{TERMINATE_FRACTION}; 0: never)")
     for step, default, what in (
             ("target", TARGET_FRACTION, "results held in memory (by their sizes) past which "
                                         "the least recently used spill to disk"),
             ("spill", SPILL_FRACTION, "process memory past which results spill until it "
                                       "is back under the target"),
             ("pause", PAUSE_FRACTION, "process memory past which no new task starts")):
-        worker.add_argument(f"--memory-{step}-fraction", type=_fraction, default=default,
-                            help=f"fraction of the memory limit: {what} (default "
-                                 f"%(default)s; 0: off)")
-    worker.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT,
+        worker.add_argument(f"--memory-{step}-fraction", type=_fraction, default=None,
+                            help=f"fraction of the memory limit: {what} (default: "
+                                 f"configuration, else {default}; 0: off)")
+    worker.add_argument("--scheduler-timeout", type=float, default=None,
                         help="seconds without a word from the scheduler after which the "
-                             "worker drops its data and registers again (default "
-                             "%(default)s)")
+                             "worker drops its data and registers again (default: "
+                             f"configuration, else {SCHEDULER_TIMEOUT})")
     worker.add_argument("--reconnect-timeout", type=float, default=10.0,
                         help="seconds a worker that lost the scheduler tries to register "
                              "again before it exits (default %(default)s)")
@@ -244,6 +249,11 @@ def _raise_fd_limit() -> None:
         pass
 
 
+def _off_if_zero(fraction: float | None):
+    """A fraction flag: None (unset: configuration decides), 0 (off: False), or itself."""
+    return False if fraction == 0 else fraction
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -277,8 +287,6 @@ def _worker_memory_limit(args) -> int:
     elif args.nworkers > 1 and args.port:
         raise ValueError(f"--port {args.port} cannot serve {args.nworkers} workers "
                          "(leave it out: each worker picks a free port)")
-    if not 0 <= args.memory_terminate_fraction <= 1:
-        raise ValueError("--memory-terminate-fraction must be from 0 to 1")
     return parse_memory_limit(args.memory_limit, args.nworkers)
 
 
@@ -382,9 +390,9 @@ async def _run_worker(args) -> int:
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,
                     resources=args.resources or None, host=args.host, port=args.port,
                     security=args.security, insecure=args.insecure,
-                    memory_target_fraction=args.memory_target_fraction or None,
-                    memory_spill_fraction=args.memory_spill_fraction or None,
-                    memory_pause_fraction=args.memory_pause_fraction or None,
+                    memory_target_fraction=_off_if_zero(args.memory_target_fraction),
+                    memory_spill_fraction=_off_if_zero(args.memory_spill_fraction),
+                    memory_pause_fraction=_off_if_zero(args.memory_pause_fraction),
                     local_directory=args.local_directory,
                     scheduler_timeout=args.scheduler_timeout,
                     reconnect_timeout=args.death_timeout or args.reconnect_timeout,
@@ -433,14 +441,14 @@ async def _run_nanny(args, memory_limit: int) -> int:
                                  args.resources.items())]
     if args.insecure:
         worker_args.append("--insecure")
-    for step in ("target", "spill", "pause"):
-        worker_args += [f"--memory-{step}-fraction",
-                        repr(getattr(args, f"memory_{step}_fraction"))]
+    for step in ("target", "spill", "pause"):  # unset: the worker reads configuration
+        value = getattr(args, f"memory_{step}_fraction")
+        if value is not None:
+            worker_args += [f"--memory-{step}-fraction", repr(value)]
     if args.local_directory:
         worker_args += ["--local-directory", args.local_directory]
-    worker_args += ["--scheduler-timeout", repr(args.scheduler_timeout),
-                    "--reconnect-timeout", repr(args.reconnect_timeout)]
-    for flag in ("contact_address", "death_timeout", "lifetime"):
+    worker_args += ["--reconnect-timeout", repr(args.reconnect_timeout)]
+    for flag in ("contact_address", "death_timeout", "lifetime", "scheduler_timeout"):
         value = getattr(args, flag)
         if value is not None:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
@@ -456,7 +464,8 @@ async def _run_nanny(args, memory_limit: int) -> int:
         names = [f"{args.name}-{i}" for i in range(args.nworkers)]
     nanny = Nanny(args.address, args.nworkers, worker_args=worker_args, names=names,
                   memory_limit=memory_limit,
-                  terminate_fraction=args.memory_terminate_fraction or None,
+                  terminate_fraction=config.get("worker.memory.terminate",
+                                                args.memory_terminate_fraction),
                   security=args.security)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
