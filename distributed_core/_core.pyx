@@ -52,6 +52,12 @@ MEMORY = "memory"
 ERRED = "erred"
 FORGOTTEN = "forgotten"
 TASK_STATES = (RELEASED, WAITING, QUEUED, NO_WORKER, PROCESSING, MEMORY, ERRED, FORGOTTEN)
+# A state's slot in the counters (its position in TASK_STATES); _state_index is the fast
+# way for the states themselves, this dict the fallback for an equal string.
+_STATE_INDEX = {state: i for i, state in enumerate(TASK_STATES)}
+# The states a task can be held in: all but forgotten (the last slot, which counts
+# tasks forgotten so far).
+HELD_STATES = TASK_STATES[:-1]
 # A task in one of these states needs the results of its dependencies.
 ACTIVE_STATES = frozenset((WAITING, QUEUED, NO_WORKER, PROCESSING))
 
@@ -113,11 +119,20 @@ class TransitionLimitExceeded(RuntimeError):
 @cython.final
 @cython.cclass
 class TaskPrefix:
-    """Tasks that share a key prefix (the function name): learned run durations."""
+    """Tasks that share a key prefix (the function name): learned run durations, and the
+    counters the transitions keep for its tasks (read by ``SchedulerState.prefix_counts``).
+    """
 
     name: str
     duration_average: cython.double  # seconds; negative while unknown
     n_durations: cython.Py_ssize_t
+    # Slots in TASK_STATES order. counts: tasks in each state now (the forgotten slot:
+    # tasks forgotten so far); totals: times a task entered each state (released: tasks
+    # created, and every move back to released).
+    counts: cython.Py_ssize_t[8]
+    totals: cython.Py_ssize_t[8]
+    n_tasks: cython.Py_ssize_t  # tasks held (not forgotten)
+    nbytes_in_memory: cython.Py_ssize_t  # result sizes of its tasks in memory, each once
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -126,6 +141,11 @@ class TaskPrefix:
         self.name = name
         self.duration_average = -1.0
         self.n_durations = 0
+        if not cython.compiled:  # compiled: C arrays, zeroed with the object
+            self.counts = [0] * 8
+            self.totals = [0] * 8
+        self.n_tasks = 0
+        self.nbytes_in_memory = 0
 
     def add_duration(self, duration: cython.double) -> None:
         """Fold one measured run time into the running average."""
@@ -181,6 +201,7 @@ class WorkerState:
     occupancy: cython.double  # estimated seconds of work assigned and not yet finished
     status: str
     alone: tuple  # (self,): the who_has of every result only this worker holds
+    long_running: Optional[set]  # seceded tasks: each adds a slot while it waits
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -198,6 +219,7 @@ class WorkerState:
         self.occupancy = 0.0
         self.status = WORKER_RUNNING
         self.alone = (self,)
+        self.long_running = None
 
     def __repr__(self):
         return (f"<WorkerState {self.address!r} processing={len(self.processing)} "
@@ -307,6 +329,47 @@ class TaskState:
 
     def __repr__(self):
         return f"<TaskState {self.key!r} {self.state}>"
+
+
+# The states again, as C globals when compiled: _state_index compares pointers, not
+# module attributes.
+_S_RELEASED = cython.declare(str, RELEASED)
+_S_WAITING = cython.declare(str, WAITING)
+_S_QUEUED = cython.declare(str, QUEUED)
+_S_NO_WORKER = cython.declare(str, NO_WORKER)
+_S_PROCESSING = cython.declare(str, PROCESSING)
+_S_MEMORY = cython.declare(str, MEMORY)
+_S_ERRED = cython.declare(str, ERRED)
+_S_FORGOTTEN = cython.declare(str, FORGOTTEN)
+
+
+@cython.cfunc
+@cython.inline
+def _state_index(state: str) -> cython.int:
+    """A state's slot in the counters: its position in TASK_STATES.
+
+    Compiled, tasks hold the module's state strings themselves, so identity decides,
+    most frequent first; an equal string that is not one of them goes through the dict
+    (which is all the interpreted core does: one lookup beats eight comparisons there)."""
+    if not cython.compiled:
+        return _STATE_INDEX[state]
+    if state is _S_PROCESSING:
+        return 4
+    if state is _S_MEMORY:
+        return 5
+    if state is _S_WAITING:
+        return 1
+    if state is _S_RELEASED:
+        return 0
+    if state is _S_QUEUED:
+        return 2
+    if state is _S_FORGOTTEN:
+        return 7
+    if state is _S_ERRED:
+        return 6
+    if state is _S_NO_WORKER:
+        return 3
+    return _STATE_INDEX[state]
 
 
 @cython.cfunc
@@ -599,6 +662,11 @@ class SchedulerState:
     ``max_transitions_per_stimulus`` bounds the recommendations one stimulus may carry
     out before it raises TransitionLimitExceeded (a loop is a bug); by default
     ``50 * (tasks + 1) + 100,000``, far more than any legitimate stimulus needs.
+
+    Counters: the transitions keep the figures that ``counters()``, ``task_counts()``,
+    ``prefix_counts()`` and ``worker_counts()`` return (tasks per state, per state and
+    prefix, bytes in memory, transitions, stimuli), so reading them never walks the
+    tasks. Validation checks them against a walk after every stimulus.
     """
 
     tasks: dict
@@ -620,6 +688,12 @@ class SchedulerState:
     _log_capacity: cython.Py_ssize_t
     _log_next: cython.Py_ssize_t
     transition_counter: cython.Py_ssize_t
+    stimulus_counter: cython.Py_ssize_t  # stimuli that were taken (not refused)
+    _state_counts: cython.Py_ssize_t[8]  # as TaskPrefix.counts, over all tasks
+    _state_totals: cython.Py_ssize_t[8]  # as TaskPrefix.totals, over all tasks
+    nbytes_in_memory: cython.Py_ssize_t  # result sizes of tasks in memory, each once
+    total_nthreads: cython.Py_ssize_t  # of the registered workers
+    _active_prefixes: dict  # name -> TaskPrefix that has tasks held
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
@@ -663,6 +737,13 @@ class SchedulerState:
         self._log_capacity = transition_log_length
         self._log_next = 0
         self.transition_counter = 0
+        self.stimulus_counter = 0
+        if not cython.compiled:  # compiled: C arrays, zeroed with the object
+            self._state_counts = [0] * 8
+            self._state_totals = [0] * 8
+        self.nbytes_in_memory = 0
+        self.total_nthreads = 0
+        self._active_prefixes = {}
         self.generation = 0
         self.queue_seq = 0
         self._recs = {}
@@ -737,6 +818,7 @@ class SchedulerState:
         ws.slots = self._slots_for(nthreads)
         self.workers[address] = ws
         self.idle[address] = ws
+        self.total_nthreads += nthreads
         ts: TaskState
         for ts in self.unrunnable:
             self._recs[ts] = PROCESSING
@@ -751,6 +833,7 @@ class SchedulerState:
         if ws is None:
             return self._end()
         self.idle.pop(address, None)
+        self.total_nthreads -= ws.nthreads
         ws.status = WORKER_CLOSED
         ts: TaskState
         for ts in sorted(ws.processing, key=_priority_of):
@@ -787,6 +870,7 @@ class SchedulerState:
             new = self._check_graph(tasks, keys)
         except GraphError as exc:
             self._begin(stimulus_id)
+            self.stimulus_counter -= 1  # refused: it only answers, it is not counted
             cs = self.clients.get(client)
             if cs is None:
                 cs = ClientState(client)  # to address the reply; not registered
@@ -852,6 +936,7 @@ class SchedulerState:
             if ts is None:
                 ts = TaskState(key, self._prefix_for(key), None)
                 self.tasks[key] = ts
+                self._count_new(ts.prefix)
             elif ts.state != RELEASED and ts.state != MEMORY:
                 self._transition(ts, RELEASED)
                 self._recs.pop(ts, None)
@@ -1086,6 +1171,29 @@ class SchedulerState:
             self._recs[ts] = WAITING
         return self._end()
 
+    def task_seceded(self, worker, key, stimulus_id) -> tuple:
+        """A task processing on ``worker`` gave its thread back to wait for other tasks
+        (``secede``): it no longer counts against the worker's threads, so queued tasks
+        (those it may be waiting for among them) can go there. Ignored unless the task
+        is processing on that worker."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        _check_key(key, "task_seceded")
+        self._begin(stimulus_id)
+        ts: TaskState = self.tasks.get(key)
+        ws: WorkerState
+        if ts is not None and ts.state == PROCESSING and ts.processing_on is not None \
+                and ts.processing_on.address == worker:
+            ws = ts.processing_on
+            if ws.long_running is None:
+                ws.long_running = set()
+            if ts not in ws.long_running:
+                ws.long_running.add(ts)
+                ws.slots += 1
+                if ws.status == WORKER_RUNNING and not self._saturated(ws):
+                    self.idle[ws.address] = ws
+        return self._end()
+
     def restart(self, stimulus_id, max_keys=None) -> tuple:
         """The cluster is being restarted: every client stops wanting every key, and every
         task is forgotten (results in memory, work in flight, errors).
@@ -1192,13 +1300,78 @@ class SchedulerState:
         wanted = set(keys)
         return [entry for entry in self.transition_log if entry[0] in wanted]
 
+    # Reads of the counters. None of them walks the tasks: they cost the same with a
+    # million tasks as with one (worker_counts: one entry a worker, prefix_counts: one
+    # a prefix that has tasks).
+
     def task_counts(self) -> dict:
-        """How many tasks are in each state."""
-        counts = dict.fromkeys(TASK_STATES[:-1], 0)
-        ts: TaskState
-        for ts in self.tasks.values():
-            counts[ts.state] += 1
+        """How many tasks are in each state: ``{state: n}`` for the states a task can be
+        held in (``HELD_STATES``: every state but forgotten)."""
+        counts = {}
+        i: cython.int
+        for i in range(7):
+            counts[TASK_STATES[i]] = self._state_counts[i]
         return counts
+
+    def counters(self) -> dict:
+        """The scheduler's figures, as plain data, read from the counters:
+
+        ``tasks`` held; ``task_counts`` (as ``task_counts()``); ``tasks_entered``:
+        ``{state: times a task entered it}`` since the state was made (``released``
+        counts tasks created too, ``forgotten`` is the tasks forgotten); ``nbytes_in_memory``:
+        the sizes of the results in memory, each result once however many workers hold
+        it; ``transitions``, ``stimuli`` (taken, not refused) so far; ``workers``,
+        ``idle_workers``, ``nthreads`` (of all workers), ``clients``, ``prefixes`` (task
+        prefixes that have tasks held)."""
+        entered = {}
+        i: cython.int
+        for i in range(8):
+            entered[TASK_STATES[i]] = self._state_totals[i]
+        return {
+            "tasks": self._n_held(),
+            "task_counts": self.task_counts(),
+            "tasks_entered": entered,
+            "nbytes_in_memory": self.nbytes_in_memory,
+            "transitions": self.transition_counter,
+            "stimuli": self.stimulus_counter,
+            "workers": len(self.workers),
+            "idle_workers": len(self.idle),
+            "nthreads": self.total_nthreads,
+            "clients": len(self.clients),
+            "prefixes": len(self._active_prefixes),
+        }
+
+    def prefix_counts(self, every: bool = False) -> dict:
+        """Per task prefix: ``{name: {"tasks": held, "task_counts": {state: n},
+        "tasks_entered": {state: n}, "nbytes_in_memory": n}}`` (as in ``counters()``).
+
+        Only prefixes that have tasks held, unless ``every``: then also those whose
+        tasks are all forgotten (the scheduler keeps a prefix for its learned duration)."""
+        prefix: TaskPrefix
+        out = {}
+        for prefix in (self.prefixes if every else self._active_prefixes).values():
+            out[prefix.name] = _prefix_figures(prefix)
+        return out
+
+    def worker_counts(self) -> dict:
+        """Per worker: ``{address: {"name", "nthreads", "processing": tasks running or
+        assigned, "in_memory": results it holds, "nbytes": their sizes, "occupancy":
+        estimated seconds of work assigned}}``."""
+        ws: WorkerState
+        out = {}
+        for address, ws in self.workers.items():
+            out[address] = {"name": ws.name, "nthreads": ws.nthreads,
+                            "processing": len(ws.processing), "in_memory": len(ws.has_what),
+                            "nbytes": ws.nbytes, "occupancy": ws.occupancy}
+        return out
+
+    @cython.cfunc
+    def _n_held(self) -> cython.Py_ssize_t:
+        n: cython.Py_ssize_t = 0
+        i: cython.int
+        for i in range(7):
+            n += self._state_counts[i]
+        return n
 
     # ------------------------------------------------------------------ engine
 
@@ -1208,6 +1381,7 @@ class SchedulerState:
         # dropped: this stimulus carries them out and delivers them with its own.
         self._stimulus_id = stimulus_id
         self._now = self.clock()
+        self.stimulus_counter += 1
 
     @cython.cfunc
     def _end(self) -> tuple:
@@ -1267,25 +1441,36 @@ class SchedulerState:
             return
         row: dict = _TRANSITIONS[start]
         func = row.get(finish)
+        # try/finally: a transition that raises (a bug) after it moved the task still
+        # has the move counted and logged, so the counters stay true to the tasks.
         if func is not None:
-            func(self, ts)
-            self._log(ts, start)
+            try:
+                func(self, ts)
+            finally:
+                self._log(ts, start)
         else:
             to_released = row.get(RELEASED)
             from_released = _TRANSITIONS[RELEASED].get(finish)
             if to_released is None or from_released is None:
                 raise InvalidTransition(f"{ts.key!r}: no transition {start} -> {finish}")
-            to_released(self, ts)
-            self._log(ts, start)
+            try:
+                to_released(self, ts)
+            finally:
+                self._log(ts, start)
             if ts.state == RELEASED:
-                from_released(self, ts)
-                self._log(ts, RELEASED)
+                try:
+                    from_released(self, ts)
+                finally:
+                    self._log(ts, RELEASED)
         if self.validate:
             self._validate_task(ts)
 
     @cython.cfunc
     def _log(self, ts: TaskState, start: str) -> None:
+        """Count and log a move of ``ts`` from ``start`` to its state; every change of a
+        task's state goes through here (a task is born released: ``_count_new``)."""
         if ts.state != start:
+            self._count_move(ts, start)
             self.transition_counter += 1
             if self._log_capacity <= 0:
                 return
@@ -1301,6 +1486,37 @@ class SchedulerState:
                 log[i + 3] = self._stimulus_id
                 log[i + 4] = self._now
             self._log_next = (self._log_next + 1) % self._log_capacity
+
+    @cython.cfunc
+    def _count_move(self, ts: TaskState, start: str) -> None:
+        """The counters follow ``ts`` from ``start`` to ``ts.state``: a few C increments."""
+        prefix: TaskPrefix = ts.prefix
+        i: cython.int = _state_index(start)
+        j: cython.int = _state_index(ts.state)
+        self._state_counts[i] -= 1
+        self._state_counts[j] += 1
+        self._state_totals[j] += 1
+        prefix.counts[i] -= 1
+        prefix.counts[j] += 1
+        prefix.totals[j] += 1
+        # A result's size is set before its task enters memory and stays while it is there.
+        if i == 5:  # left memory
+            self.nbytes_in_memory -= ts.nbytes
+            prefix.nbytes_in_memory -= ts.nbytes
+        elif j == 5:  # entered memory
+            self.nbytes_in_memory += ts.nbytes
+            prefix.nbytes_in_memory += ts.nbytes
+
+    @cython.cfunc
+    def _count_new(self, prefix: TaskPrefix) -> None:
+        """A task of ``prefix`` was created: it is released."""
+        self._state_counts[0] += 1  # 0: released
+        self._state_totals[0] += 1
+        prefix.counts[0] += 1
+        prefix.totals[0] += 1
+        prefix.n_tasks += 1
+        if prefix.n_tasks == 1:
+            self._active_prefixes[prefix.name] = prefix
 
     # ------------------------------------------------------------------ transitions
 
@@ -1478,6 +1694,10 @@ class SchedulerState:
         del self.tasks[ts.key]
         if not self.tasks:
             self.tasks = {}  # a dict never shrinks: hand a big graph's table back
+        prefix: TaskPrefix = ts.prefix
+        prefix.n_tasks -= 1
+        if prefix.n_tasks == 0:
+            del self._active_prefixes[prefix.name]
 
     # ------------------------------------------------------------------ direct transitions
 
@@ -1828,6 +2048,11 @@ class SchedulerState:
         """Take a processing task off its worker; a freed slot takes a queued task."""
         ws: WorkerState = ts.processing_on
         ws.processing.discard(ts)
+        if ws.long_running is not None and ts in ws.long_running:
+            ws.long_running.discard(ts)
+            ws.slots -= 1
+            if not ws.long_running:
+                ws.long_running = None
         ws.occupancy = ws.occupancy - ts.estimate if ws.processing else 0.0
         ts.processing_on = None
         ts.estimate = 0.0
@@ -1965,6 +2190,7 @@ class SchedulerState:
                     bool(workers) and bool(entry.get("allow_other_workers", False)),
                     annotations or None)
             tasks[key] = ts
+            self._count_new(prefix)
             created.append(ts)
         return created
 
@@ -2005,12 +2231,85 @@ class SchedulerState:
                    f"{ws} occupancy {ws.occupancy} != {occupancy}")
             _check((address in self.idle) == (not self._saturated(ws)),
                    f"{ws} idle status is wrong")
+            seceded = ws.long_running if ws.long_running is not None else set()
+            _check(seceded <= ws.processing and (ws.long_running is None or seceded),
+                   f"{ws} lists seceded tasks it does not run")
+            _check(ws.slots == self._slots_for(ws.nthreads) + len(seceded),
+                   f"{ws} has {ws.slots} slots for {len(seceded)} seceded tasks")
         for address in self.idle:
             _check(address in self.workers, f"idle worker {address} is not registered")
         for client, cs in self.clients.items():
             for ts in cs.wants_what:
                 _check(ts.who_wants is not None and cs in ts.who_wants,
                        f"{cs} wants {ts} but is not in its who_wants")
+        self._validate_counters()
+
+    @cython.cfunc
+    def _validate_counters(self) -> None:
+        """The counters the transitions keep agree with a walk over every task.
+
+        (Messages are only made for a failure: this runs after every stimulus.)"""
+        ts: TaskState
+        ws: WorkerState
+        prefix: TaskPrefix
+        held: list  # counters as lists (compiled: copies of the C arrays)
+        entered: list
+        counts = [0] * 7
+        nbytes = 0
+        by_prefix = {}  # TaskPrefix -> [tasks in each held state..., bytes in memory]
+        for ts in self.tasks.values():
+            i = _STATE_INDEX.get(ts.state, 7)
+            if i == 7:
+                raise InvariantError(f"{ts} is in no state a task can be held in")
+            counts[i] += 1
+            figures = by_prefix.get(ts.prefix)
+            if figures is None:
+                figures = by_prefix[ts.prefix] = [0] * 8
+            figures[i] += 1
+            if i == 5:  # memory
+                nbytes += ts.nbytes
+                figures[7] += ts.nbytes
+        held = self._state_counts
+        entered = self._state_totals
+        if held[:7] != counts:
+            raise InvariantError(f"counted tasks per state {dict(zip(TASK_STATES, held))}, "
+                                 f"there are {dict(zip(TASK_STATES, counts))}")
+        if self.nbytes_in_memory != nbytes:
+            raise InvariantError(f"counted {self.nbytes_in_memory} bytes in memory, "
+                                 f"there are {nbytes}")
+        if held[7] != entered[7] or not all([e >= h for e, h in zip(entered, held)]):
+            raise InvariantError(f"counted tasks per state {held}, but only {entered} "
+                                 "entered them")
+        zero = [0] * 8
+        active = self._active_prefixes
+        for name, prefix in self.prefixes.items():
+            figures = by_prefix.pop(prefix, None)
+            if figures is None:  # no task held: every count zero (most prefixes; quick)
+                if prefix.n_tasks == 0 and prefix.nbytes_in_memory == 0 \
+                        and name not in active and prefix.name == name:
+                    held = prefix.counts
+                    if held[:7] == zero[:7]:
+                        continue
+                figures = zero
+            held = prefix.counts
+            if (held[:7] != figures[:7] or prefix.nbytes_in_memory != figures[7]
+                    or prefix.n_tasks != sum(figures[:7]) or prefix.name != name
+                    or (active.get(name) is prefix) != (figures is not zero)):
+                raise InvariantError(
+                    f"{prefix!r} (registered as {name!r}): counted {prefix.n_tasks} tasks "
+                    f"{dict(zip(TASK_STATES, held))} and {prefix.nbytes_in_memory} bytes in "
+                    f"memory, there are {dict(zip(TASK_STATES, figures))} (bytes last); "
+                    f"active: {name in active}")
+            entered = prefix.totals
+            if not all([e >= h for e, h in zip(entered, held)]):
+                raise InvariantError(f"{prefix!r}: counted tasks per state {held}, but "
+                                     f"only {entered} entered them")
+        if by_prefix:
+            raise InvariantError(f"tasks have unregistered prefixes: {list(by_prefix)[:3]}")
+        if len(self._active_prefixes) > len(self.prefixes):
+            raise InvariantError("more active prefixes than prefixes")
+        if self.total_nthreads != sum([ws.nthreads for ws in self.workers.values()]):
+            raise InvariantError(f"counted {self.total_nthreads} threads")
 
     @cython.cfunc
     def _validate_settled(self, ts: TaskState) -> None:
@@ -2088,6 +2387,19 @@ class SchedulerState:
 
 def _zero_clock() -> float:
     return 0.0
+
+
+@cython.cfunc
+def _prefix_figures(prefix: TaskPrefix) -> dict:
+    counts = {}
+    entered = {}
+    i: cython.int
+    for i in range(8):
+        if i < 7:
+            counts[TASK_STATES[i]] = prefix.counts[i]
+        entered[TASK_STATES[i]] = prefix.totals[i]
+    return {"tasks": prefix.n_tasks, "task_counts": counts, "tasks_entered": entered,
+            "nbytes_in_memory": prefix.nbytes_in_memory}
 
 
 @cython.cfunc

@@ -9,3 +9,8 @@ def _identity(obj):
 
 
 cclass = cfunc = ccall = final = inline = no_gc = _identity
+
+
+def declare(type_=None, value=None, **kwargs):
+    """``x = cython.declare(T, value)``: a typed (C) module variable when compiled."""
+    return value

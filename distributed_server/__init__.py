@@ -21,9 +21,11 @@ from .cluster import LocalCluster
 from .scheduler import Scheduler
 from .security import Security, SecurityError
 from .worker import Worker
+from .worker_client import get_client, get_worker, rejoin, secede, worker_client
 
 __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
     "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
-    "Worker", "__version__", "as_completed", "fire_and_forget", "futures_of", "wait",
+    "Worker", "__version__", "as_completed", "fire_and_forget", "futures_of", "get_client",
+    "get_worker", "rejoin", "secede", "wait", "worker_client",
 ]

@@ -1492,7 +1492,11 @@ class Client:
         return await self._request("who-has", keys=keys)
 
     def scheduler_info(self):
-        """The scheduler's ``identity``: address, workers, compiled, n_tasks, task_counts."""
+        """The scheduler's ``identity``: address, version, compiled, workers (each with
+        name, nthreads, nanny, processing, in_memory, nbytes, occupancy and its memory
+        figures), n_tasks, task_counts, counters (transitions, stimuli, bytes in memory,
+        ...) and prefix_counts. The scheduler reads them from counters, never from a walk
+        over its tasks: it is cheap to poll."""
         return self._sync(self._request, "identity")
 
     def wait_for_workers(self, n_workers: int = 1, timeout: float | None = None):

@@ -376,6 +376,8 @@ class Scheduler:
                                msg.get("errant_worker"))
             elif op == "reschedule":
                 self._stimulus(address, op, self.state.reschedule, address, msg.get("key"))
+            elif op == "long-running":  # a task seceded: it waits without a thread
+                self._stimulus(address, op, self.state.task_seceded, address, msg.get("key"))
             else:
                 raise MessageError(f"unknown operation {bounded_repr(op, 60)} from worker "
                                    f"{address}")
@@ -632,17 +634,25 @@ class Scheduler:
         self._reply(client_id, msg, self.identity())
 
     def identity(self) -> dict:
-        """What a client sees of the scheduler: address, workers, task counts."""
+        """What a client sees of the scheduler (``Client.scheduler_info()``): address,
+        version, whether the core is compiled, each worker's figures (the core's
+        ``worker_counts()``, nanny, memory figures), the task counts, the core's
+        ``counters()`` and its ``prefix_counts()``.
+
+        Read from the counters the state machine keeps, never from a walk over the
+        tasks: polling it costs the same with a million tasks as with ten."""
+        state = self.state
         supervised = {address for workers in self.nanny_workers.values() for address in workers}
         memory = self.worker_memory
-        workers = {
-            address: {"nthreads": ws.nthreads, "name": ws.name, "nanny": address in supervised,
-                      **memory.get(address, _NO_MEMORY_FIGURES)}
-            for address, ws in self.state.workers.items()
-        }
+        workers = state.worker_counts()
+        for address, figures in workers.items():
+            figures["nanny"] = address in supervised
+            figures.update(memory.get(address, _NO_MEMORY_FIGURES))
+        counters = state.counters()
         return {"address": self.address, "workers": workers, "compiled": COMPILED,
-                "version": __version__, "n_tasks": len(self.state.tasks),
-                "task_counts": self.state.task_counts()}
+                "version": __version__, "n_tasks": counters["tasks"],
+                "task_counts": counters["task_counts"], "counters": counters,
+                "prefix_counts": state.prefix_counts()}
 
     def _reply(self, client_id: str, msg: dict, result) -> None:
         comm = self.client_comms.get(client_id)

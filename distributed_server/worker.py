@@ -100,6 +100,7 @@ from .nanny import MEMORY_LIMIT_ENV
 from .remote_run import run_packed_call
 from .security import Security, check_listen_security
 from .versions import essential
+from .worker_client import enter_task, leave_task
 from .serialize import (
     dumps_data,
     dumps_error,
@@ -269,6 +270,9 @@ class Worker:
         self._wake_pending = False  # a call_soon_threadsafe to drain outcomes is queued
         self._stopping = False  # threads skip queued jobs and exit
         self._threads: list = []
+        self._threads_lock = threading.Lock()
+        self._retiring = 0  # executor threads to retire (tasks that rejoined)
+        self._task_client = None  # the Client of tasks that launch tasks, made on demand
         self._bursts = itertools.count()
 
         self._peer_pool: dict = {}  # peer address -> idle Comms
@@ -345,6 +349,8 @@ class Worker:
             comm.abort()
         self._peer_pool.clear()
         await self._stop_threads()
+        if self._task_client is not None:
+            await asyncio.to_thread(self._task_client.close)
         self._stimulus(self.state.scheduler_lost, "worker-closing")
         if isinstance(self.data, SpillBuffer):
             self.data.close()
@@ -652,16 +658,62 @@ class Worker:
             job = get()
             if job is None:
                 return
+            extra = False
             if self._stopping or job[1].state != _EXECUTING:
                 append((job[0], _SKIPPED, None, None))  # cancelled before it began
             else:
-                append(_run_job(job))
+                enter_task(self, job[0])
+                try:
+                    append(_run_job(job))
+                finally:
+                    extra = leave_task()  # seceded: another thread took this one's place
+            del job
             if not self._wake_pending:
                 self._wake_pending = True
                 try:
                     loop.call_soon_threadsafe(drain)
                 except RuntimeError:  # the loop is closed: nobody wants the outcome
                     return
+            if extra or self._retire_one():
+                return
+
+    def _retire_one(self) -> bool:
+        """True for one executor thread per rejoined task: it leaves the pool."""
+        if not self._retiring:
+            return False
+        with self._threads_lock:
+            if self._retiring:
+                self._retiring -= 1
+                return True
+        return False
+
+    # ------------------------------------------------------------------ tasks that launch tasks
+
+    def task_seceded(self, key) -> None:
+        """From a task's thread (worker_client.secede): start an executor thread in its
+        place and tell the scheduler the task no longer holds a thread."""
+        with self._threads_lock:
+            thread = threading.Thread(target=self._execute_jobs, daemon=True,
+                                      name=f"dcore-worker-{len(self._threads)}")
+            self._threads.append(thread)
+        thread.start()
+        self._loop.call_soon_threadsafe(self._send, {"op": "long-running", "key": key})
+
+    def task_rejoined(self) -> None:
+        """From a task's thread (worker_client.rejoin): it is an executor thread again,
+        so one other executor thread retires after its current task."""
+        with self._threads_lock:
+            self._retiring += 1
+
+    def task_client(self, timeout: float | None = None):
+        """The Client that tasks on this worker share (worker_client.get_client)."""
+        with self._threads_lock:
+            if self._task_client is None or self._task_client.status == "closed":
+                from .client import Client
+                self._task_client = Client(
+                    self.scheduler_address, security=self.security, set_as_default=False,
+                    timeout=timeout or self.connect_timeout, name=f"worker-{self.address}")
+            return self._task_client
 
     def _drain_outcomes(self) -> None:
         """On the loop: the outcomes the threads produced, as one stimulus."""

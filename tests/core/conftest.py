@@ -128,7 +128,9 @@ def snapshot(state) -> dict:
         "unrunnable": [ts.key for ts in state.unrunnable],
         "prefixes": {name: (p.duration_average, p.n_durations)
                      for name, p in state.prefixes.items()},
-        "counters": (state.transition_counter, state.generation, state.queue_seq),
+        "counters": (state.transition_counter, state.generation, state.queue_seq,
+                     state.counters(), state.prefix_counts(every=True),
+                     state.worker_counts()),
         "log": state.transition_log,
         "pending": ({ts.key: finish for ts, finish in state._recs.items()},
                     state._client_msgs, state._worker_msgs, state._stimulus_id),

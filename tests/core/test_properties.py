@@ -210,6 +210,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sim.record(self.state.reschedule(address, key, self.sim.sid("reschedule")))
             self.remember_told()
 
+    @rule(i=INDEX, j=INDEX)
+    def a_task_secedes(self, i, j):
+        """A task gives its thread back (it waits for other tasks); sometimes a stale or
+        repeated report of it."""
+        told = [a for a in self.alive() if self.told.get(a)]
+        if told:
+            address = pick(told, i)
+            key = pick(sorted(self.told[address], key=repr), j)
+            self.sim.record(self.state.task_seceded(address, key, self.sim.sid("secede")))
+            self.remember_told()
+
     @rule(i=INDEX)
     def worker_loses_data(self, i):
         """A holder loses an input; a worker told to fetch it from there says so."""

@@ -91,3 +91,7 @@ def test_compiled_and_source_cores_send_the_same_messages():
         assert got == expected, f"stimulus #{i}"
     assert list(compiled_run.state.transition_log) == list(source_run.state.transition_log)
     assert compiled_run.state.tasks == source_run.state.tasks == {}
+    assert compiled_run.state.counters() == source_run.state.counters()
+    assert compiled_run.state.prefix_counts(every=True) == \
+        source_run.state.prefix_counts(every=True)
+    assert compiled_run.state.counters()["tasks_entered"]["forgotten"] > 10

@@ -379,3 +379,20 @@ def test_replica_of_a_different_size_keeps_worker_byte_counts_consistent():
     sim.state.validate_state()
     assert sim.state.workers["A"].nbytes == sum(ts.nbytes for ts in
                                                 sim.state.workers["A"].has_what)
+
+
+def test_a_seceded_task_frees_its_slot_for_queued_tasks_until_it_ends():
+    sim = Sim()
+    sim.add_worker("A", nthreads=1)  # saturation 1.1: 2 slots
+    sim.submit([task(f"r{i}") for i in range(4)], [f"r{i}" for i in range(4)])
+    assert sorted(sim.computing["A"]) == ["r0", "r1"]
+    sim.record(sim.state.task_seceded("A", "r0", "secede"))
+    assert sorted(sim.computing["A"]) == ["r0", "r1", "r2"]  # one more slot
+    sim.record(sim.state.task_seceded("A", "r0", "again"))  # repeated: no second slot
+    assert sorted(sim.computing["A"]) == ["r0", "r1", "r2"]
+    sim.record(sim.state.task_seceded("A", "r3", "stale"))  # not processing there
+    sim.finish("r0")  # the seceded task ends: its slot goes with it
+    assert sim.state.workers["A"].slots == 2 and sim.state.workers["A"].long_running is None
+    assert sorted(sim.computing["A"]) == ["r1", "r2"]
+    sim.finish("r1")
+    assert sorted(sim.computing["A"]) == ["r2", "r3"]

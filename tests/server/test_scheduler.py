@@ -101,6 +101,56 @@ def test_a_batch_of_finished_reports_is_one_stimulus():
     run(main())
 
 
+def test_identity_carries_the_counters_of_the_core():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w, c = await _worker(s, nthreads=2), await _client(s)
+            c.send({"op": "update-graph", "keys": ["inc-1", "inc-2"],
+                    "tasks": [{"key": "inc-1", "spec": b"S"}, {"key": "inc-2", "spec": b"S"}]})
+            await _read_op(w, "compute-task")
+            w.send({"op": "task-finished", "key": "inc-1", "nbytes": 28})
+            await _read_op(c, "key-in-memory")
+            info = await _request(c, "identity")
+            assert info["n_tasks"] == 2
+            assert info["task_counts"]["memory"] == info["task_counts"]["processing"] == 1
+            counters = info["counters"]
+            assert counters["nbytes_in_memory"] == 28 and counters["nthreads"] == 2
+            assert counters["transitions"] == s.state.transition_counter
+            assert counters["stimuli"] == s.state.stimulus_counter >= 4
+            assert info["prefix_counts"]["inc"]["task_counts"]["memory"] == 1
+            worker = info["workers"]["tcp://127.0.0.1:1"]
+            assert (worker["name"], worker["nthreads"], worker["nanny"]) == ("w1", 2, False)
+            assert (worker["processing"], worker["in_memory"], worker["nbytes"]) == (1, 1, 28)
+
+    run(main())
+
+
+def test_identity_reads_no_task():
+    """identity() (what scheduler_info() returns) gives the same answer after every task
+    was poisoned and the task table taken away: it read only counters."""
+    s = Scheduler()  # not started: identity() needs only the state
+    state = s.state
+    state.add_worker("tcp://127.0.0.1:1", 2, "join")
+    keys = [f"inc-{i}" for i in range(10_000)]
+    state.update_graph("c", [{"key": key, "spec": b"S"} for key in keys], keys, "graph")
+    before = s.identity()
+    tasks = state.tasks
+    for ts in tasks.values():
+        ts.state = "poisoned"
+        ts.nbytes = -1
+    state.tasks = None
+    try:
+        after = s.identity()
+    finally:
+        state.tasks = tasks
+    assert after == before
+    assert after["n_tasks"] == 10_000
+    assert after["task_counts"]["queued"] + after["task_counts"]["processing"] == 10_000
+    assert after["prefix_counts"]["inc"]["tasks"] == 10_000
+    assert after["workers"]["tcp://127.0.0.1:1"]["processing"] == \
+        after["task_counts"]["processing"] > 0
+
+
 def test_releasing_keys_frees_them_on_the_worker_and_the_scheduler():
     async def main():
         async with Scheduler(validate=True) as s:

@@ -1,0 +1,280 @@
+"""The counters the transitions keep: counters(), task_counts(), prefix_counts(),
+worker_counts(). They are exact after every stimulus (validation compares them with a
+walk over the tasks, so the hypothesis machine checks them too), and reading them
+touches no task."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+from core_sim import Sim, assert_refused, task
+
+import distributed_core
+from distributed_core import InvariantError, SchedulerState, TaskPrefix
+
+HELD = ("released", "waiting", "queued", "no-worker", "processing", "memory", "erred")
+
+
+def counts(**nonzero) -> dict:
+    """Tasks per held state: ``counts(no_worker=1)`` (zero for the states not named)."""
+    out = dict.fromkeys(HELD, 0)
+    for name, n in nonzero.items():
+        out[name.replace("_", "-")] = n
+    return out
+
+
+def entered(**nonzero) -> dict:
+    return {**counts(**nonzero), "forgotten": nonzero.get("forgotten", 0)}
+
+
+def test_counters_follow_tasks_through_their_lives():
+    sim = Sim()
+    state = sim.state
+    sim.add_worker("A", 1)
+    assert state.counters() == {
+        "tasks": 0, "task_counts": counts(), "tasks_entered": entered(),
+        "nbytes_in_memory": 0, "transitions": 0, "stimuli": 1, "workers": 1,
+        "idle_workers": 1, "nthreads": 1, "clients": 0, "prefixes": 0}
+
+    sim.submit([task("x"), task("y", "x")], ["y"])
+    c = state.counters()
+    assert c["tasks"] == 2 and c["task_counts"] == counts(waiting=1, processing=1)
+    assert c["tasks_entered"] == entered(released=2, waiting=2, processing=1)
+    assert (c["transitions"], c["stimuli"], c["clients"], c["prefixes"]) == (3, 2, 1, 2)
+    assert state.task_counts() == counts(waiting=1, processing=1)
+
+    sim.finish("x", nbytes=10)
+    c = state.counters()
+    assert c["task_counts"] == counts(processing=1, memory=1)
+    assert c["nbytes_in_memory"] == 10
+    assert state.worker_counts() == {"A": {"name": "A", "nthreads": 1, "processing": 1,
+                                           "in_memory": 1, "nbytes": 10, "occupancy": 0.5}}
+
+    sim.finish("y", nbytes=5)  # nobody needs x's result: released, kept for y
+    c = state.counters()
+    assert c["task_counts"] == counts(released=1, memory=1) and c["nbytes_in_memory"] == 5
+    assert c["tasks_entered"] == entered(released=3, waiting=2, processing=2, memory=2)
+    assert c["transitions"] == state.transition_counter == 7
+    assert state.prefix_counts() == {
+        "x": {"tasks": 1, "task_counts": counts(released=1), "nbytes_in_memory": 0,
+              "tasks_entered": entered(released=2, waiting=1, processing=1, memory=1)},
+        "y": {"tasks": 1, "task_counts": counts(memory=1), "nbytes_in_memory": 5,
+              "tasks_entered": entered(released=1, waiting=1, processing=1, memory=1)}}
+
+    sim.release(["y"])
+    c = state.counters()
+    assert (c["tasks"], c["task_counts"], c["nbytes_in_memory"], c["prefixes"]) == (
+        0, counts(), 0, 0)
+    assert c["tasks_entered"]["forgotten"] == 2
+    assert state.prefix_counts() == {}
+    every = state.prefix_counts(every=True)  # prefixes are kept for their durations
+    assert sorted(every) == ["x", "y"]
+    assert every["x"]["tasks"] == 0 and every["x"]["tasks_entered"]["forgotten"] == 1
+
+
+def test_a_result_held_by_two_workers_counts_once_in_memory():
+    sim = Sim()
+    sim.add_worker("A", 2)
+    sim.add_worker("B", 1)
+    sim.scatter({"data": ["A", "B"]}, {"data": 100})
+    assert sim.state.counters()["nbytes_in_memory"] == 100
+    assert sim.state.counters()["nthreads"] == 3
+    workers = sim.state.worker_counts()
+    assert [(w["in_memory"], w["nbytes"]) for w in workers.values()] == [(1, 100), (1, 100)]
+    sim.remove_worker("B")
+    assert sim.state.counters()["nbytes_in_memory"] == 100
+    assert sim.state.counters()["nthreads"] == 2
+    sim.remove_worker("A")  # the last copy is gone: the scattered data is lost
+    c = sim.state.counters()
+    assert c["nbytes_in_memory"] == 0 and c["task_counts"] == counts(erred=1)
+    assert (c["workers"], c["nthreads"]) == (0, 0)
+
+
+def test_states_and_prefixes_are_counted_for_every_kind_of_task():
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 1)
+    sim.submit([task("load-1")], ["load-1"])  # processing
+    sim.submit([task(("part", 0), "load-1"), task(("part", 1), "load-1")],
+               [("part", 0), ("part", 1)])  # waiting
+    sim.submit([task("gpu-1", resources={"GPU": 1})], ["gpu-1"])  # no-worker
+    sim.submit([task("load-2"), task("load-3")], ["load-2", "load-3"])  # queued
+    assert sim.state.task_counts() == counts(processing=1, waiting=2, no_worker=1, queued=2)
+    sim.fail("load-1")  # and the parts; load-2 takes the free thread
+    prefixes = sim.state.prefix_counts()
+    assert {name: p["task_counts"] for name, p in prefixes.items()} == {
+        "load": counts(processing=1, queued=1, erred=1),
+        "part": counts(erred=2),
+        "gpu": counts(no_worker=1)}
+    assert {name: p["tasks"] for name, p in prefixes.items()} == {"load": 3, "part": 2,
+                                                                  "gpu": 1}
+    assert sim.state.task_counts() == counts(processing=1, queued=1, no_worker=1, erred=3)
+
+
+def test_stimuli_count_those_taken_and_a_refused_one_changes_no_counter():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"])
+    before = sim.state.counters()
+    assert before["stimuli"] == 2
+    assert_refused(sim.state, lambda: sim.state.update_data("c", {"y": ["A"]}, {"y": -1}, "s"))
+    assert sim.state.counters() == before
+    sim.state.add_client("other", "hello")
+    assert sim.state.counters()["stimuli"] == 3
+
+
+def _bump_state_count(state):
+    counts = list(state._state_counts)
+    counts[1] += 1
+    state._state_counts = counts
+
+
+def _bump_prefix_count(state):
+    prefix = state.prefixes["x"]
+    counts = list(prefix.counts)
+    counts[5] -= 1
+    counts[0] += 1
+    prefix.counts = counts
+
+
+def _bump_bytes(state):
+    state.nbytes_in_memory += 1
+
+
+def _bump_prefix_bytes(state):
+    state.prefixes["x"].nbytes_in_memory += 1
+
+
+def _bump_prefix_tasks(state):
+    state.prefixes["x"].n_tasks += 1
+
+
+def _drop_active_prefix(state):
+    del state._active_prefixes["x"]
+
+
+def _bump_threads(state):
+    state.total_nthreads += 1
+
+
+DRIFTS = [_bump_state_count, _bump_prefix_count, _bump_bytes, _bump_prefix_bytes,
+          _bump_prefix_tasks, _drop_active_prefix, _bump_threads]
+
+
+@pytest.mark.parametrize("drift", DRIFTS, ids=[f.__name__ for f in DRIFTS])
+def test_validation_catches_a_counter_that_drifted(drift):
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"])
+    sim.finish("x", nbytes=7)
+    sim.state.validate_state()
+    drift(sim.state)
+    with pytest.raises(InvariantError, match="counted|active|entered"):
+        sim.state.validate_state()
+
+
+def _idle_prefix_listed_active(state):
+    state._active_prefixes["x"] = state.prefixes["x"]
+
+
+def _idle_prefix_keeps_a_count(state):
+    counts = list(state.prefixes["x"].counts)
+    counts[0] += 1
+    state.prefixes["x"].counts = counts
+
+
+@pytest.mark.parametrize("drift", [_idle_prefix_listed_active, _idle_prefix_keeps_a_count])
+def test_validation_checks_the_prefixes_without_tasks_too(drift):
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"])
+    sim.finish("x")
+    sim.release(["x"])
+    sim.state.validate_state()
+    drift(sim.state)
+    with pytest.raises(InvariantError, match="'x'"):
+        sim.state.validate_state()
+
+
+def test_a_transition_that_raises_after_moving_its_task_keeps_the_counters_true(monkeypatch):
+    table = distributed_core._core._TRANSITIONS
+    original = table["waiting"]["processing"]
+
+    def fails(state, ts):
+        original(state, ts)
+        raise RuntimeError("a bug in a transition")
+
+    sim = Sim()
+    sim.add_worker("A", 1)
+    monkeypatch.setitem(table["waiting"], "processing", fails)
+    with pytest.raises(RuntimeError, match="a bug"):
+        sim.state.update_graph("c", [task("x")], ["x"], "graph")
+    monkeypatch.undo()
+    assert sim.state.task_counts() == counts(processing=1)
+    sim.state.validate_state()
+
+
+# -- a read with a million tasks ---------------------------------------------------------
+
+
+def test_reading_the_counters_touches_no_task():
+    """With a million tasks held (100,000 interpreted: same proof, less waiting), the
+    reads give the right figures after every task was poisoned and the task table taken
+    away: no read can have walked the tasks, whatever route it took to them (the task
+    table, a worker's sets, a client's wants, the queue)."""
+    n = 1_000_000 if distributed_core.COMPILED else 100_000
+    state = SchedulerState()  # no validation: it walks every task after each stimulus
+    state.add_worker("A", 2, "join-A")
+    state.add_worker("B", 2, "join-B")
+    graph = [{"key": f"inc-{i}", "spec": b"s"} for i in range(n)]
+    graph += [{"key": f"sum-{j}", "spec": b"s", "deps": [f"inc-{2 * j}", f"inc-{2 * j + 1}"]}
+              for j in range(1000)]
+    graph += [{"key": f"gpu-{k}", "spec": b"s", "resources": {"GPU": 1}} for k in range(10)]
+    state.update_graph("c", graph, [entry["key"] for entry in graph], "graph")
+    del graph
+    for round_ in range(3):
+        for address in ("A", "B"):
+            keys = sorted(ts.key for ts in state.workers[address].processing)
+            state.task_erred(address, [{"key": keys[0], "exception": b"e", "traceback": b"t",
+                                        "text": "E"}], f"erred-{round_}-{address}")
+            state.task_finished(address, [{"key": key, "nbytes": 100 + i}
+                                          for i, key in enumerate(keys[1:])],
+                                f"finished-{round_}-{address}")
+    reads = (state.counters, state.task_counts, state.prefix_counts, state.worker_counts)
+    before = [read() for read in reads]
+
+    # One pass: what a walk would find, then poison the task.
+    tasks = state.tasks
+    expected_states = collections.Counter()
+    expected_prefixes = collections.defaultdict(collections.Counter)
+    expected_bytes = collections.Counter()
+    poison = TaskPrefix("poison")
+    for ts in tasks.values():
+        name = ts.prefix.name
+        expected_states[ts.state] += 1
+        expected_prefixes[name][ts.state] += 1
+        if ts.state == "memory":
+            expected_bytes[name] += ts.nbytes
+        ts.state = "poisoned"
+        ts.nbytes = -(2 ** 40)
+        ts.prefix = poison
+    assert len(tasks) == n + 1010
+    assert set(expected_states) == {
+        "queued", "processing", "memory", "erred", "waiting", "no-worker"}
+    state.tasks = None
+    try:
+        after = [read() for read in reads]
+    finally:
+        state.tasks = tasks  # so that dropping the state frees the tasks
+    assert after == before
+    c = after[0]
+    assert c["tasks"] == n + 1010
+    assert c["task_counts"] == counts(**{s.replace("-", "_"): k
+                                         for s, k in expected_states.items()})
+    assert c["nbytes_in_memory"] == sum(expected_bytes.values()) > 0
+    assert {name: (p["tasks"], p["task_counts"], p["nbytes_in_memory"])
+            for name, p in after[2].items()} == {
+        name: (sum(states.values()), counts(**{s.replace("-", "_"): k
+                                               for s, k in states.items()}),
+               expected_bytes[name])
+        for name, states in expected_prefixes.items()}
+    assert sum(w["processing"] for w in after[3].values()) == expected_states["processing"]
