@@ -32,7 +32,9 @@ import time
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
 
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
+from .loop_lag import LoopLagMonitor
 from .security import Security, check_listen_security
+from .task_stream import TaskStream
 
 logger = logging.getLogger("distributed_server.scheduler")
 
@@ -83,15 +85,28 @@ class Scheduler:
     machine (``validate``, ``worker_saturation``, ``allowed_failures``) pass through.
     ``max_connections`` bounds open connections (default: what the file descriptor limit
     allows).
+
+    ``dashboard_address`` (``":8787"``, ``"host:port"``, ``":0"`` for any free port; the
+    host defaults to ``host``) starts the HTTP server of the status page, the JSON API and
+    ``/metrics`` (`distributed_server.dashboard`); None (the default here; ``dcore
+    scheduler`` serves on 8787) starts none. A busy port gives way to a free one, with a
+    warning; ``dashboard_url`` tells where it is.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, worker_ttl: float = 300.0,
                  security: Security | None = None, insecure: bool = False,
                  validate: bool = False, worker_saturation: float = 1.1,
                  allowed_failures: int = 3, client_idle_timeout: float = 300.0,
-                 max_connections: int | None = None):
+                 max_connections: int | None = None, dashboard_address=None):
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "scheduler")
+        self.insecure = insecure
+        self.dashboard_address = dashboard_address
+        if dashboard_address is not None:
+            from .dashboard.http import parse_http_address
+
+            dashboard_host, _ = parse_http_address(dashboard_address, host)
+            check_listen_security(dashboard_host, self.security, insecure, "dashboard")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
                                     allowed_failures=allowed_failures, clock=time.time)
         self.host = host
@@ -117,6 +132,16 @@ class Scheduler:
         self._ttl_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._closed = asyncio.Event()
+        #: Recent task outcomes: (key, worker, start, stop, ok), one append per task.
+        self.task_stream = TaskStream()
+        #: worker address -> the URL of its HTTP server (from its registration)
+        self.worker_dashboards: dict = {}
+        self.loop_lag = LoopLagMonitor()  # sampled while the dashboard runs
+        self.n_stimuli = 0
+        self.graph_updates = 0
+        self.graph_tasks = 0
+        self.graph_intake_seconds = 0.0
+        self.http = None  # the dashboard's HttpServer, once started
         self._client_handlers = {
             "update-graph": self._update_graph,
             "update-data": self._update_data,
@@ -144,7 +169,26 @@ class Scheduler:
         self.address = self._listener.address
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
+        if self.dashboard_address is not None:
+            await self._start_dashboard()
         return self
+
+    async def _start_dashboard(self) -> None:
+        from .dashboard.http import parse_http_address
+        from .dashboard.scheduler_app import start_scheduler_http
+
+        host, port = parse_http_address(self.dashboard_address, self.host)
+        try:
+            self.http = await start_scheduler_http(self, host, port, insecure=self.insecure)
+        except BaseException:
+            await self.close()
+            raise
+        self.loop_lag.start()
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The status page's URL (``http(s)://host:port/status``), or None."""
+        return None if self.http is None else f"{self.http.url}/status"
 
     async def close(self, close_workers: bool = True) -> None:
         """Stop listening; ask the workers to shut down; drop every connection."""
@@ -153,6 +197,9 @@ class Scheduler:
         self._closed.set()
         if self._ttl_task is not None:
             self._ttl_task.cancel()
+        self.loop_lag.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self._listener is not None:
             await self._listener.stop()
         comms = list(self.client_comms.values())
@@ -192,7 +239,8 @@ class Scheduler:
     async def _serve_worker(self, comm) -> None:
         info = comm.extra
         try:
-            address, nthreads, name, resources = _worker_info(info, self.security.scheme)
+            address, nthreads, name, resources, dashboard = _worker_info(info,
+                                                                         self.security.scheme)
             _require(address not in self.worker_comms,
                      f"a worker at {address} is already registered")
             messages = self.state.add_worker(address, nthreads, self._sid("add-worker"),
@@ -202,6 +250,8 @@ class Scheduler:
             await _refuse(comm, str(exc))
             return
         self.worker_comms[address] = comm
+        if dashboard is not None:
+            self.worker_dashboards[address] = dashboard
         self.last_seen[address] = time.monotonic()
         self._registrations += 1
         self._joined[address] = self._registrations
@@ -214,6 +264,7 @@ class Scheduler:
             del self.worker_comms[address]
             self.last_seen.pop(address, None)
             self.worker_memory.pop(address, None)
+            self.worker_dashboards.pop(address, None)
             self._stimulus(address, "remove-worker", self.state.remove_worker, address)
             self._joined.pop(address, None)
             self._workers_changed.set()
@@ -300,6 +351,7 @@ class Scheduler:
         the stimulus id and the state is validated; the peer is not blamed.
         """
         stimulus_id = self._sid(cause)
+        self.n_stimuli += 1
         try:
             messages = stimulus(*args, stimulus_id, **kwargs)
         except InvalidStimulus as exc:
@@ -361,11 +413,12 @@ class Scheduler:
         self._flush_reports(address, finished, erred)
 
     def _flush_reports(self, address: str, finished: list, erred: list) -> None:
-        if finished:
-            self._stimulus(address, "task-finished", self.state.task_finished, address,
-                           finished)
-        if erred:
-            self._stimulus(address, "task-erred", self.state.task_erred, address, erred)
+        if finished and self._stimulus(address, "task-finished", self.state.task_finished,
+                                       address, finished):
+            self.task_stream.record(address, finished, True)
+        if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
+                                    erred):
+            self.task_stream.record(address, erred, False)
 
     async def _check_ttl(self) -> None:
         """Remove workers silent for longer than ``worker_ttl``, and disconnect clients
@@ -408,8 +461,13 @@ class Scheduler:
                 turn_end = time.monotonic() + TURN_SECONDS
 
     def _update_graph(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
-                       msg.get("tasks"), msg.get("keys"))
+        started = time.perf_counter()
+        tasks = msg.get("tasks")
+        if self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
+                          tasks, msg.get("keys")):
+            self.graph_updates += 1
+            self.graph_tasks += len(tasks)
+        self.graph_intake_seconds += time.perf_counter() - started
 
     def _update_data(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "update-data", self.state.update_data, client_id,
@@ -635,21 +693,31 @@ def _nanny_workers(workers) -> tuple:
 
 
 def _worker_info(info: dict, scheme: str) -> tuple:
-    """Check a worker's handshake: (address, nthreads, name, resources).
+    """Check a worker's handshake: (address, nthreads, name, resources, dashboard).
 
-    The state machine checks the values themselves; this checks the message's shape."""
+    The state machine checks the values themselves; this checks the message's shape.
+    ``dashboard``, the URL of the worker's HTTP server, is optional."""
     address = info.get("address")
     try:
         _require(parse_address(address)[0] == scheme,
                  f"a worker of this cluster listens on {scheme}://, not {address!r}")
     except ValueError as exc:
         raise MessageError(f"worker handshake needs its listen 'address': {exc}") from None
-    return address, info.get("nthreads", 1), info.get("name"), info.get("resources")
+    dashboard = info.get("dashboard")
+    _require(dashboard is None or (isinstance(dashboard, str) and len(dashboard) <= 300
+                                   and dashboard.startswith(("http://", "https://"))
+                                   and dashboard.isprintable()),
+             f"a worker's 'dashboard' must be an http(s) URL, not "
+             f"{bounded_repr(dashboard, 100)}")
+    return (address, info.get("nthreads", 1), info.get("name"), info.get("resources"),
+            dashboard)
 
 
 #: A worker's memory figures before its first heartbeat (or from one that sent none).
 _NO_MEMORY_FIGURES = {"memory": None, "managed": None, "spilled": None, "spilled_count": None,
-                      "paused": False}
+                      "paused": False, "cpu": None}
+#: The most CPU a heartbeat may claim, in cores.
+_MAX_CPU = 1e5
 
 
 def _memory_figures(msg: dict, address: str) -> dict:
@@ -662,6 +730,11 @@ def _memory_figures(msg: dict, address: str) -> dict:
                  f"heartbeat from {address}: {name} must be bytes, not "
                  f"{bounded_repr(value, 60)}")
         figures[name] = value
+    cpu = msg.get("cpu")
+    _require(cpu is None or (type(cpu) in (int, float) and 0 <= cpu <= _MAX_CPU),
+             f"heartbeat from {address}: cpu must be a number of cores, not "
+             f"{bounded_repr(cpu, 60)}")
+    figures["cpu"] = cpu
     paused = msg.get("paused", False)
     _require(type(paused) is bool, f"heartbeat from {address}: paused must be a bool, not "
                                    f"{bounded_repr(paused, 60)}")

@@ -174,6 +174,10 @@ class Worker:
     new task starts until it falls back. A fraction of None or False turns that step
     off. Heartbeats carry the process's memory, the bytes held and spilled, and whether
     the worker is paused.
+
+    ``dashboard_address`` (``":0"``: any free port on ``host``) serves ``/metrics`` over
+    HTTP (`distributed_server.dashboard.worker_app`); None (the default here; ``dcore
+    worker`` serves on a free port) serves none.
     """
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name=None,
@@ -188,7 +192,7 @@ class Worker:
                  memory_spill_fraction: float | None = SPILL_FRACTION,
                  memory_pause_fraction: float | None = PAUSE_FRACTION,
                  local_directory: str | None = None,
-                 validate: bool = False) -> None:
+                 validate: bool = False, dashboard_address=None) -> None:
         if type(nthreads) is not int or not 1 <= nthreads <= MAX_THREADS:
             raise ValueError(f"nthreads must be an int from 1 to {MAX_THREADS}, "
                              f"got {nthreads!r}")
@@ -207,6 +211,10 @@ class Worker:
         check_fractions(memory_target_fraction, memory_spill_fraction, memory_pause_fraction)
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "worker")
+        self.insecure = insecure
+        self.dashboard_address = dashboard_address
+        self.http = None  # the HTTP server of /metrics (dashboard/worker_app.py)
+        self._process = psutil.Process()  # its CPU use goes with each heartbeat
         if parse_address(scheduler_address)[0] != self.security.scheme:
             raise ValueError(f"scheduler address {scheduler_address!r} does not fit the "
                              f"security given (use {self.security.scheme}://)")
@@ -290,6 +298,11 @@ class Worker:
         self._start_threads()
         self.status = RUNNING_STATUS
         try:
+            if self.dashboard_address is not None:
+                from .dashboard.worker_app import start_worker_http
+
+                self.http = await start_worker_http(self, self.dashboard_address,
+                                                    self.insecure)
             comm = await connect(self.scheduler_address, self._registration(),
                                  timeout=self.connect_timeout, security=self.security)
         except BaseException:
@@ -319,6 +332,8 @@ class Worker:
         await self._cancel_tasks()
         if self._listener is not None:
             await self._listener.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self._scheduler_comm is not None:
             await self._scheduler_comm.close(timeout=1.0)
         for comm in [*self._served, *itertools.chain(*self._peer_pool.values())]:
@@ -427,7 +442,8 @@ class Worker:
     def _registration(self) -> dict:
         """The handshake info that registers this worker with the scheduler."""
         return {"role": "worker", "address": self.address, "nthreads": self.nthreads,
-                "name": self.name, "resources": self.resources}
+                "name": self.name, "resources": self.resources,
+                "dashboard": self.http.url if self.http is not None else None}
 
     # ------------------------------------------------------------------ stimuli in, instructions out
 
@@ -604,7 +620,8 @@ class Worker:
             logger.warning("worker %s: the scheduler at %s has not answered for %.1fs; "
                            "treating it as lost", self.address, self.scheduler_address, silent)
             comm.abort()
-        self._send({"op": "heartbeat", **self.memory_figures()})
+        self._send({"op": "heartbeat", **self.memory_figures(),
+                    "cpu": self._process.cpu_percent(None) / 100})
         self._heartbeat_handle = self._loop.call_later(self.heartbeat_interval, self._heartbeat)
 
     # ------------------------------------------------------------------ execution
