@@ -5,13 +5,24 @@ made by the compiled state machine in ``distributed_core``, which the Scheduler 
 """
 from distributed_core import COMPILED, __version__
 
-from .client import CancelledError, Client, Future, as_completed, wait
+from .client import (
+    ALL_COMPLETED,
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    CancelledError,
+    Client,
+    Future,
+    as_completed,
+    futures_of,
+    wait,
+)
 from .cluster import LocalCluster
 from .scheduler import Scheduler
 from .security import Security, SecurityError
 from .worker import Worker
 
 __all__ = [
-    "COMPILED", "CancelledError", "Client", "Future", "LocalCluster", "Scheduler", "Security",
-    "SecurityError", "Worker", "__version__", "as_completed", "wait",
+    "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
+    "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
+    "Worker", "__version__", "as_completed", "futures_of", "wait",
 ]
