@@ -244,6 +244,7 @@ class Scheduler:
                                                                          self.security.scheme)
             _require(address not in self.worker_comms,
                      f"a worker at {address} is already registered")
+            self.n_stimuli += 1
             messages = self.state.add_worker(address, nthreads, self._sid("add-worker"),
                                              name=name, resources=resources)
         except (MessageError, InvalidStimulus) as exc:
