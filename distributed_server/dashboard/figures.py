@@ -34,9 +34,10 @@ def _task_counts(state) -> tuple[dict, dict]:
     The one place that reads task counts from the core."""
     prefix_counts = getattr(state, "prefix_counts", None)
     if prefix_counts is not None:  # the core keeps counters: no walk
-        by_prefix = prefix_counts()
         totals = dict.fromkeys(STATES, 0)
         totals.update(state.task_counts())
+        by_prefix = {name: figures["task_counts"]
+                     for name, figures in prefix_counts().items()}
         return totals, by_prefix
     totals = dict.fromkeys(STATES, 0)
     by_prefix: dict = {}
