@@ -8,6 +8,7 @@ scheduler: it keeps serving its peers, and no test may make it log an ERROR.
 import asyncio
 import json
 import logging
+import os
 import socket
 import ssl
 import subprocess
@@ -401,3 +402,11 @@ def test_dcore_prints_the_dashboard_and_the_dashboard_token(tmp_path):
     refused = subprocess.run(command + ["scheduler", "--dashboard-address", "0.0.0.0:0"],
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode == 2 and "without credentials" in refused.stderr
+
+
+def test_every_asset_of_the_page_is_installed_with_the_package():
+    """The page is served from the installed package (package data), never a CDN."""
+    from distributed_server.dashboard.scheduler_app import STATIC_DIR, STATIC_FILES
+
+    for name in STATIC_FILES:
+        assert os.path.isfile(os.path.join(STATIC_DIR, name)), name

@@ -146,8 +146,11 @@ class Chromium:
         return data
 
     def close(self) -> None:
+        async def close_ws():
+            self.ws.close()  # on its own loop: it writes a close frame
+
         try:
-            self.ws.close()
+            self._run(close_ws())
         finally:
             self.loop.close()
             self.proc.terminate()
