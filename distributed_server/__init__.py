@@ -13,6 +13,7 @@ from .client import (
     Client,
     Future,
     as_completed,
+    fire_and_forget,
     futures_of,
     wait,
 )
@@ -24,5 +25,5 @@ from .worker import Worker
 __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
     "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
-    "Worker", "__version__", "as_completed", "futures_of", "wait",
+    "Worker", "__version__", "as_completed", "fire_and_forget", "futures_of", "wait",
 ]

@@ -35,6 +35,7 @@ from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, pa
 from .loop_lag import LoopLagMonitor
 from .security import Security, check_listen_security
 from .task_stream import TaskStream
+from .versions import essential, mismatches, versions
 
 logger = logging.getLogger("distributed_server.scheduler")
 
@@ -45,6 +46,9 @@ BLOB_MIN_BYTES = 64 * 1024
 NANNY_GRACE_SECONDS = 2.0
 #: Most worker addresses one nanny may name.
 MAX_NANNY_WORKERS = 4096
+#: The client id under which the scheduler wants fire-and-forget keys until they are
+#: done; not printable, so no real client can take it.
+FIRE_AND_FORGET = "fire-and-forget\t"
 #: Longest client id accepted; it must be printable (it appears in the log).
 MAX_CLIENT_ID = 256
 #: A client's batch is handled in turns of about this long; between turns the scheduler
@@ -120,6 +124,7 @@ class Scheduler:
         self.last_seen: dict = {}  # worker address -> time.monotonic()
         #: worker address -> its memory figures from the last heartbeat (Worker.memory_figures)
         self.worker_memory: dict = {}
+        self._versions_here = essential()
         self.client_last_seen: dict = {}  # client id -> time.monotonic()
         self.nanny_comms: dict = {}  # nanny id -> Comm
         self.nanny_workers: dict = {}  # nanny id -> tuple of the worker addresses it runs
@@ -151,6 +156,8 @@ class Scheduler:
             "retry": self._retry,
             "who-has": self._who_has,
             "has-what": self._has_what,
+            "fire-and-forget": self._fire_and_forget,
+            "versions": self._versions,
             "identity": self._identity,
             "heartbeat": self._client_heartbeat,
             "restart": self._restart,
@@ -244,13 +251,17 @@ class Scheduler:
                                                                          self.security.scheme)
             _require(address not in self.worker_comms,
                      f"a worker at {address} is already registered")
-            self.n_stimuli += 1
             messages = self.state.add_worker(address, nthreads, self._sid("add-worker"),
                                              name=name, resources=resources)
+            self.n_stimuli += 1
         except (MessageError, InvalidStimulus) as exc:
             logger.warning("refusing worker from %s: %s", comm.peer_address, exc)
             await _refuse(comm, str(exc))
             return
+        differ = mismatches(self._versions_here, info.get("versions"))
+        if differ:
+            logger.warning("worker %s runs other versions than the scheduler (%s): tasks "
+                           "may fail to unpickle there", address, "; ".join(differ))
         self.worker_comms[address] = comm
         if dashboard is not None:
             self.worker_dashboards[address] = dashboard
@@ -636,6 +647,24 @@ class Scheduler:
             result[address] = [ts.key for ts in ws.has_what] if ws is not None else []
         self._reply(client_id, msg, result)
 
+    def _fire_and_forget(self, client_id: str, msg: dict) -> None:
+        """Keep the keys wanted (by `FIRE_AND_FORGET`) until each is done, whatever
+        their clients do meanwhile."""
+        self._stimulus(client_id, "fire-and-forget", self.state.client_desires_keys,
+                       FIRE_AND_FORGET, _keys(msg))
+
+    def _fired_and_done(self, msgs: list) -> None:
+        """The core told `FIRE_AND_FORGET` that keys are done: it stops wanting them
+        (in a stimulus of its own, after the current one)."""
+        done = [msg["key"] for msg in msgs if msg.get("op") in ("key-in-memory", "task-erred")]
+        if done:
+            asyncio.get_running_loop().call_soon(
+                self._stimulus, FIRE_AND_FORGET, "fire-and-forget-done",
+                self.state.client_releases_keys, FIRE_AND_FORGET, done)
+
+    def _versions(self, client_id: str, msg: dict) -> None:
+        self._reply(client_id, msg, versions())
+
     def _identity(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.identity())
 
@@ -666,6 +695,9 @@ class Scheduler:
         """Send what a stimulus returned to the clients and workers it names."""
         client_msgs, worker_msgs = messages
         for client_id, msgs in client_msgs.items():
+            if client_id == FIRE_AND_FORGET:
+                self._fired_and_done(msgs)
+                continue
             comm = self.client_comms.get(client_id)
             if comm is not None:
                 for msg in msgs:

@@ -101,6 +101,7 @@ from .memory import (
 from .nanny import MEMORY_LIMIT_ENV
 from .remote_run import run_packed_call
 from .security import Security, check_listen_security
+from .versions import essential
 from .serialize import (
     dumps_data,
     dumps_error,
@@ -444,7 +445,7 @@ class Worker:
     def _registration(self) -> dict:
         """The handshake info that registers this worker with the scheduler."""
         return {"role": "worker", "address": self.address, "nthreads": self.nthreads,
-                "name": self.name, "resources": self.resources,
+                "name": self.name, "resources": self.resources, "versions": essential(),
                 "dashboard": self.http.url if self.http is not None else None}
 
     # ------------------------------------------------------------------ stimuli in, instructions out
