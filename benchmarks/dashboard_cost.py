@@ -135,6 +135,19 @@ def measure_read_costs(cluster: LocalCluster, poller: Poller, client: Client,
     return out
 
 
+def task_stream_cost(n: int = 1_000_000, batch: int = 100) -> float:
+    """Seconds per task of TaskStream.record, in batches as workers report."""
+    from distributed_server.task_stream import TaskStream
+
+    stream = TaskStream()
+    reports = [{"op": "task-finished", "key": f"noop-{i}", "nbytes": 16, "start": 1.0 + i,
+                "stop": 1.5 + i} for i in range(batch)]
+    started = time.process_time()
+    for _ in range(n // batch):
+        stream.record("tcp://127.0.0.1:1", reports, True)
+    return (time.process_time() - started) / n
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=1_000_000)
@@ -163,6 +176,10 @@ def main(argv=None) -> int:
     print(f"scheduler CPU, median: off {median['off']:.2f} s, on {median['on']:.2f} s: "
           f"extra {extra:+.2f} % (target < 1 %); tasks/s off {rate['off']:,.0f}, "
           f"on {rate['on']:,.0f}")
+    per_task = task_stream_cost()
+    print(f"task stream (always on, in both modes): {1e6 * per_task:.3f} us of scheduler CPU "
+          f"per task = {100 * per_task * args.tasks / median['off']:.2f} % of the off run's "
+          "scheduler CPU")
     reads = next(r["reads"] for r in runs if "reads" in r)
     print(f"with {args.tasks:,} tasks held, scheduler CPU per request (wall on this client):")
     for name, figures in reads.items():
