@@ -410,3 +410,39 @@ def test_every_asset_of_the_page_is_installed_with_the_package():
 
     for name in STATIC_FILES:
         assert os.path.isfile(os.path.join(STATIC_DIR, name)), name
+
+
+def test_figures_read_the_cores_counters_without_walking_the_tasks():
+    """With a core that keeps counters (prefix_counts), a status read touches no task."""
+    from distributed_server.dashboard.figures import SchedulerFigures
+    from distributed_server.loop_lag import LoopLagMonitor
+    from distributed_server.task_stream import TaskStream
+
+    class Untouchable(dict):
+        def values(self):
+            raise AssertionError("the figures walked the tasks")
+
+        __iter__ = items = values
+
+    class CountingCore:
+        tasks = Untouchable({i: None for i in range(3)})
+        workers = {}
+        transition_counter = 7
+
+        def task_counts(self):
+            return {"memory": 2, "processing": 1}
+
+        def prefix_counts(self):
+            return {"inc": {"tasks": 3, "task_counts": {"memory": 2, "processing": 1}}}
+
+    class FakeScheduler:
+        state = CountingCore()
+        address, worker_memory, worker_dashboards, client_comms = "tcp://x:1", {}, {}, {}
+        loop_lag, task_stream = LoopLagMonitor(), TaskStream()
+        n_stimuli = graph_updates = graph_tasks = 0
+        graph_intake_seconds = 0.0
+
+    status = SchedulerFigures(FakeScheduler()).status()
+    assert status["tasks"]["memory"] == 2 and status["cluster"]["tasks"] == 3
+    assert status["prefixes"] == [{"name": "inc", "released": 0, "waiting": 0, "queued": 0,
+                                   "no-worker": 0, "processing": 1, "memory": 2, "erred": 0}]
