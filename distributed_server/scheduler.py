@@ -206,8 +206,6 @@ class Scheduler:
         if self._ttl_task is not None:
             self._ttl_task.cancel()
         self.loop_lag.stop()
-        if self.http is not None:
-            await self.http.stop()
         if self._listener is not None:
             await self._listener.stop()
         comms = list(self.client_comms.values())
@@ -218,6 +216,8 @@ class Scheduler:
         comms += list(self.nanny_comms.values())
         await asyncio.gather(*(comm.close(timeout=1.0) for comm in comms),
                              return_exceptions=True)
+        if self.http is not None:  # last: the peers' close messages must not wait for it
+            await self.http.stop()
 
     async def finished(self) -> None:
         """Wait until the scheduler is closed."""
