@@ -96,6 +96,7 @@ from .futures import (
     wait,
 )
 from .security import Security
+from .startup import read_scheduler_file
 from .serialize import dumps_data, loads_data, loads_error, sizeof
 from .taskspec import (
     _SEQUENCES,
@@ -306,12 +307,18 @@ class Client:
     pending futures raise `SchedulerConnectionError`. ``security`` holds the cluster's token and/or TLS files (`Security`); by default
     those of the LocalCluster given or started, else those named by the ``DCORE_TOKEN``
     / ``DCORE_TOKEN_FILE`` / ``DCORE_TLS_*`` environment variables.
+    ``scheduler_file`` reads the address from the file ``dcore scheduler
+    --scheduler-file`` wrote (waiting up to ``timeout`` for it).
     """
 
     def __init__(self, address=None, *, asynchronous: bool = False, timeout: float = 10,
                  name: str | None = None, set_as_default: bool = True,
                  security: Security | None = None, scheduler_timeout: float = 30.0,
-                 **cluster_kwargs) -> None:
+                 scheduler_file: str | None = None, **cluster_kwargs) -> None:
+        if scheduler_file is not None:
+            if address is not None:
+                raise TypeError("give an address or a scheduler_file, not both")
+            address = read_scheduler_file(scheduler_file, timeout=max(timeout, 1.0))
         self.asynchronous = asynchronous
         self.timeout = timeout
         self.scheduler_timeout = scheduler_timeout

@@ -31,6 +31,7 @@ import time
 
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
 
+from . import config
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
 from .loop_lag import LoopLagMonitor
 from .security import Security, check_listen_security
@@ -88,7 +89,9 @@ class Scheduler:
     may listen only on loopback unless ``insecure=True``. Keyword arguments of the state
     machine (``validate``, ``worker_saturation``, ``allowed_failures``) pass through.
     ``max_connections`` bounds open connections (default: what the file descriptor limit
-    allows).
+    allows). ``worker_ttl``, ``worker_saturation``, ``allowed_failures`` and
+    ``client_idle_timeout`` left at None come from configuration (config.py: dask's
+    ``distributed.scheduler.*`` keys carry over), else 300 s, 1.1, 3 and 300 s.
 
     ``dashboard_address`` (``":8787"``, ``"host:port"``, ``":0"`` for any free port; the
     host defaults to ``host``) starts the HTTP server of the status page, the JSON API and
@@ -97,11 +100,17 @@ class Scheduler:
     warning; ``dashboard_url`` tells where it is.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, worker_ttl: float = 300.0,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+                 worker_ttl: float | None = None,
                  security: Security | None = None, insecure: bool = False,
-                 validate: bool = False, worker_saturation: float = 1.1,
-                 allowed_failures: int = 3, client_idle_timeout: float = 300.0,
+                 validate: bool = False, worker_saturation: float | None = None,
+                 allowed_failures: int | None = None,
+                 client_idle_timeout: float | None = None,
                  max_connections: int | None = None, dashboard_address=None):
+        worker_ttl = config.get("scheduler.worker-ttl", worker_ttl)
+        worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
+        allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
+        client_idle_timeout = config.get("scheduler.client-idle-timeout", client_idle_timeout)
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "scheduler")
         self.insecure = insecure
