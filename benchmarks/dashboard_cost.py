@@ -7,13 +7,14 @@ process's CPU time (user + system) from the submit to the last result. Two modes
 interleaved run by run so that a change in the machine's load hits both:
 
 - ``off``: ``dcore scheduler --no-dashboard``;
-- ``on``:  the dashboard, with what the status page does (``/api/v1/status`` and
-  ``/api/v1/task-stream`` every second, as its script polls) plus a scrape of
-  ``/metrics`` every second, from a thread of this process, for the whole run.
+- ``on``:  the dashboard, with what the status page does (``/api/v1/status`` with the
+  task stream since its last poll, 250 entries sampled, every second, as its script
+  polls) plus a scrape of ``/metrics`` every second, from a thread of this process, for
+  the whole run.
 
 Printed: per-mode medians and the extra CPU of ``on`` in percent (target: under 1 %).
 Then, with the N tasks held in memory, the scheduler's CPU per request (its process CPU
-over 20 requests each) for one ``/metrics`` scrape, one status JSON read and one
+over 50 requests each) for one ``/metrics`` scrape, one status JSON read and one
 task-stream read, and one ``Client.scheduler_info()``::
 
     python benchmarks/dashboard_cost.py                  # 1,000,000 tasks, 3 rounds
@@ -47,7 +48,7 @@ POLL_SECONDS = 1.0
 
 class Poller(threading.Thread):
     """What an open status page and a Prometheus server do: every second, the status
-    JSON and the task stream after the last entry seen, and /metrics."""
+    JSON with the task stream after the last entry seen, and /metrics."""
 
     def __init__(self, base: str, token: str | None) -> None:
         super().__init__(daemon=True)
@@ -67,11 +68,11 @@ class Poller(threading.Thread):
         while not self.stop_event.is_set():
             started = time.monotonic()
             try:
-                self.get("/api/v1/status")
-                after = json.loads(self.get(f"/api/v1/task-stream?after={after}"
-                                            "&limit=2000"))["next"]
+                status = json.loads(self.get(f"/api/v1/status?stream_after={after}"
+                                             "&stream_limit=250"))
+                after = status["stream"]["next"]
                 self.get("/metrics")
-                self.requests += 3
+                self.requests += 2
             except OSError:
                 self.errors += 1
             self.stop_event.wait(max(POLL_SECONDS - (time.monotonic() - started), 0))
@@ -112,10 +113,11 @@ def one_run(mode: str, n: int, measure_reads: bool = False) -> dict:
 
 
 def measure_read_costs(cluster: LocalCluster, poller: Poller, client: Client,
-                       repeats: int = 20) -> dict:
+                       repeats: int = 50) -> dict:
     """Scheduler CPU and wall time per request while it holds the map's tasks."""
     out = {}
     reads = {"metrics": "/metrics", "status_json": "/api/v1/status",
+             "status_and_stream": "/api/v1/status?stream_after=0&stream_limit=250",
              "task_stream_2000": "/api/v1/task-stream?after=0&limit=2000"}
     for name, path in reads.items():
         poller.get(path)  # warm

@@ -63,19 +63,28 @@ class TaskStream:
                               for msg in reports])
         self.total += len(reports)
 
-    def after(self, seq: int, limit: int = 1000) -> tuple:
-        """``(entries, next_seq, skipped)``: the newest ``limit`` entries numbered
-        ``seq`` or later, oldest first; the number to ask for next time; and how many
-        entries after ``seq`` were not returned (fallen off the deque or over ``limit``).
+    def after(self, seq: int, limit: int = 1000, sample: bool = False) -> tuple:
+        """``(entries, next_seq, skipped)``: at most ``limit`` entries numbered ``seq``
+        or later, oldest first; the number to ask for next time; and how many entries
+        after ``seq`` were not returned (fallen off the deque, or over ``limit``).
+
+        Over ``limit``, the newest ``limit`` are returned, or with ``sample`` ``limit``
+        entries spread evenly over all of them (a chart of the last second stays even).
         Costs only the entries returned."""
         entries = self._entries
-        first = self.total - len(entries)  # sequence number of entries[0]
-        seq = max(seq, 0)
-        wanted = self.total - max(seq, first)
-        take = min(max(wanted, 0), max(limit, 0))
-        out = []
         n = len(entries)
-        for i in range(n - take, n):
+        first = self.total - n  # sequence number of entries[0]
+        seq = max(seq, 0)
+        wanted = max(self.total - max(seq, first), 0)
+        take = min(wanted, max(limit, 0))
+        if sample and take < wanted:
+            step = wanted / take if take else 0
+            picks = [n - 1 - int(k * step) for k in range(take)]
+            picks.reverse()
+        else:
+            picks = range(n - take, n)
+        out = []
+        for i in picks:
             entry = _checked(first + i, entries[i])
             if entry is not None:
                 out.append(entry)

@@ -3,7 +3,8 @@
     /                      redirects to /status
     /status                the live status page (static HTML; its script polls the API)
     /static/NAME           the page's script, style sheet and icon, from this package
-    /api/v1/status         the figures as JSON (figures.SchedulerFigures.status)
+    /api/v1/status         the figures as JSON (figures.SchedulerFigures.status);
+                           ?stream_after=N adds the task stream after N (sampled)
     /api/v1/task-stream    task outcomes after a sequence number: ?after=N&limit=M
     /metrics               Prometheus text format (prometheus.SchedulerCollector)
     /health                "ok" (open to all)
@@ -66,28 +67,40 @@ class _JSONHandler(BaseHandler):
 
 
 class StatusJSONHandler(_JSONHandler):
-    """``/api/v1/status``: the figures of the status page."""
+    """``/api/v1/status``: the figures of the status page; with ``?stream_after=N``
+    also ``"stream"``: the task stream after N, as ``/api/v1/task-stream?sample=1``
+    answers it (``stream_limit``, default 250), so the page polls with one request."""
 
     def get(self) -> None:
         """The scheduler's figures as JSON."""
-        self.write_json(_finite(self.settings["figures"].status()))
+        status = _finite(self.settings["figures"].status())
+        if self.get_query_argument("stream_after", None) is not None:
+            after = self.int_argument("stream_after", 0, 0, 2**62)
+            limit = self.int_argument("stream_limit", 250, 0, MAX_STREAM_LIMIT)
+            status["stream"] = _stream_json(self.settings["task_stream"], after, limit, True)
+        self.write_json(status)
 
 
 class TaskStreamHandler(_JSONHandler):
-    """``/api/v1/task-stream?after=N&limit=M``: task outcomes numbered N or later (the
-    newest M of them, at most 10,000), with the number to ask for next."""
+    """``/api/v1/task-stream?after=N&limit=M[&sample=1]``: task outcomes numbered N or
+    later (the newest M of them, at most 10,000, or with ``sample=1`` M spread evenly
+    over them), with the number to ask for next."""
 
     def get(self) -> None:
         """``{"entries": [[seq, key, worker, start, stop, ok, prefix]...], "next": n,
         "skipped": n}``."""
-        stream = self.settings["task_stream"]
         after = self.int_argument("after", 0, 0, 2**62)
         limit = self.int_argument("limit", 1000, 0, MAX_STREAM_LIMIT)
-        entries, next_seq, skipped = stream.after(after, limit)
-        prefix_of = _prefix_namer()
-        rows = [[seq, _key_text(key), worker, start, stop, ok, prefix_of(key)]
-                for seq, key, worker, start, stop, ok in entries]
-        self.write_json({"entries": rows, "next": next_seq, "skipped": skipped})
+        sample = self.int_argument("sample", 0, 0, 1) == 1
+        self.write_json(_stream_json(self.settings["task_stream"], after, limit, sample))
+
+
+def _stream_json(stream, after: int, limit: int, sample: bool) -> dict:
+    entries, next_seq, skipped = stream.after(after, limit, sample)
+    prefix_of = _prefix_namer()
+    rows = [[seq, _key_text(key), worker, start, stop, ok, prefix_of(key)]
+            for seq, key, worker, start, stop, ok in entries]
+    return {"entries": rows, "next": next_seq, "skipped": skipped}
 
 
 class MetricsHandler(BaseHandler):

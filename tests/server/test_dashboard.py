@@ -112,6 +112,8 @@ def test_status_json_metrics_and_task_stream_show_a_finished_task():
                                            True, "inc"]], "next": 1, "skipped": 0}
             later = json.loads((await fetch(base + "/api/v1/task-stream?after=1")).body)
             assert later == {"entries": [], "next": 1, "skipped": 0}
+            together = json.loads((await fetch(base + "/api/v1/status?stream_after=0")).body)
+            assert together["stream"] == stream and together["tasks"]["memory"] == 1
 
             response = await fetch(base + "/metrics")
             assert response.code == 200
@@ -179,6 +181,7 @@ def test_the_page_and_its_assets_come_from_the_package():
     ("/static/%2e%2e%2fscheduler.py", 404), ("/api/v1/status/extra", 404),
     ("/api/v1/task-stream?after=abc", 400), ("/api/v1/task-stream?limit=-1", 400),
     ("/api/v1/task-stream?limit=10001", 400), ("/api/v1/task-stream?after=1e99", 400),
+    ("/api/v1/task-stream?sample=2", 400), ("/api/v1/status?stream_after=-1", 400),
 ])
 def test_bad_paths_and_parameters_get_a_clear_error(path, code):
     async def main():

@@ -88,3 +88,11 @@ def test_loop_lag_sees_a_blocked_loop():
         assert monitor.total >= monitor.recent_max
 
     asyncio.run(main())
+
+
+def test_a_sample_spreads_evenly_over_what_a_reader_missed():
+    stream = TaskStream()
+    stream.record("w", reports(100), True)
+    entries, next_seq, skipped = stream.after(0, limit=4, sample=True)
+    assert [e.seq for e in entries] == [24, 49, 74, 99] and (next_seq, skipped) == (100, 96)
+    assert [e.seq for e in stream.after(98, limit=4, sample=True)[0]] == [98, 99]

@@ -1,5 +1,5 @@
-// distributed-core status page: polls /api/v1/status and /api/v1/task-stream once a
-// second (not while the tab is hidden) and draws progress bars, the task stream on a
+// distributed-core status page: polls /api/v1/status (with the task stream since the
+// last poll, sampled) once a second (not while the tab is hidden) and draws progress bars, the task stream on a
 // canvas, and the workers' table. No library, nothing fetched from elsewhere.
 "use strict";
 
@@ -7,7 +7,7 @@
   const POLL_MS = 1000;
   const STREAM_WINDOW_S = 30;      // the task stream shows this many recent seconds
   const STREAM_KEEP = 20000;       // entries kept for drawing
-  const STREAM_LIMIT = 2000;       // entries asked for per poll (the newest)
+  const STREAM_LIMIT = 250;        // entries asked for per poll (spread over the second)
   const PREFIX_SEGMENTS = [        // [class, states] in bar order
     ["memory", ["memory"]],
     ["erred", ["erred"]],
@@ -64,10 +64,9 @@
     if (busy || document.hidden) return;
     busy = true;
     try {
-      const [status, chunk] = await Promise.all([
-        getJSON("/api/v1/status"),
-        getJSON("/api/v1/task-stream?after=" + streamNext + "&limit=" + STREAM_LIMIT),
-      ]);
+      const status = await getJSON("/api/v1/status?stream_after=" + streamNext +
+        "&stream_limit=" + STREAM_LIMIT);
+      const chunk = status.stream;
       clockOffset = status.time - Date.now() / 1000;
       if (chunk.next < streamNext) stream = [];  // the scheduler restarted
       streamNext = chunk.next;
