@@ -395,6 +395,7 @@ class WorkerCore:
     _log_next: cython.Py_ssize_t
     _recs: dict
     _instructions: list
+    _reschedules: list  # reschedule messages of this stimulus: sent after the rest
     _stimulus_id: str
     _now: object
 
@@ -453,6 +454,7 @@ class WorkerCore:
         self._log_next = 0
         self._recs = {}
         self._instructions = []
+        self._reschedules = []
         self._stimulus_id = ""
         self._now = 0.0
 
@@ -982,6 +984,12 @@ class WorkerCore:
                 self._feed()
             if not recs:
                 break
+        if self._reschedules:
+            # After every missing-data of the stimulus: the scheduler accepts a worker's
+            # missing-data only while a task there needs the key, which a reschedule
+            # ends.
+            self._instructions.extend(self._reschedules)
+            self._reschedules = []
         if self.validate:
             self.validate_state()
         result = self._instructions
@@ -1137,7 +1145,8 @@ class WorkerCore:
     @cython.cfunc
     def _give_up(self, ts: WorkerTask) -> None:
         """No holder gave an input: tell the scheduler which ones failed, and give the
-        tasks that need it back (``missing-data`` for each, then ``reschedule``)."""
+        tasks that need it back (``missing-data`` for each; the ``reschedule`` messages go
+        out at the end of the stimulus, after every ``missing-data``)."""
         dts: WorkerTask
         if ts.failed is not None:
             for errant in ts.failed:
@@ -1145,7 +1154,7 @@ class WorkerCore:
                     {"op": "missing-data", "key": ts.key, "errant_worker": errant}))
         if ts.dependents is not None:
             for dts in list(ts.dependents):  # all waiting: nothing else lacks an input
-                self._instructions.append(SendMessage({"op": "reschedule", "key": dts.key}))
+                self._reschedules.append(SendMessage({"op": "reschedule", "key": dts.key}))
                 dts.run_spec = None
                 self._transition(dts, RELEASED)
         if ts.state == FETCH:

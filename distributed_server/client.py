@@ -37,8 +37,9 @@ With dask installed (the ``dask`` extra), `get` is a dask scheduler
 (``dask.compute(x, scheduler=client.get)``), `compute` and `persist` take dask
 collections, and a client made with ``set_as_default=True`` is dask's default scheduler
 until it closes. The graph is materialized, ordered and pickled here, in slices, by
-`dask_support`; `_send_plan` sends the slices one at a time, holding the outbox meanwhile
-so that nothing queued later overtakes them. Without dask these methods raise an
+`dask_support`; the graph takes its turn in the outbox when it is submitted and
+`_send_plan` sends its slices one at a time from there, so that nothing queued later
+overtakes them. Without dask these methods raise an
 ImportError naming the extra, and `get` converts dict graphs itself
 (`taskspec._LegacyGraph`).
 
@@ -348,7 +349,7 @@ class Client:
         self._drain_scheduled = False
         self._replies: dict[int, asyncio.Future] = {}
         self._reqids = itertools.count(1)
-        self._cancel_echoes: collections.Counter = collections.Counter()
+        self._own_cancels: set = set()  # reqids of our cancels: their echoes are no news
         self._peers: dict[str, list[Comm]] = {}
         self._comm: Comm | None = None
         self._reader: asyncio.Task | None = None
@@ -356,11 +357,9 @@ class Client:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
         self._finalizer: weakref.finalize | None = None
-        # dask graphs: one is sent at a time (_graph_lock, made on the loop); while one
-        # is being sent the outbox is held (_outbox_held), so nothing queued after it
-        # overtakes its slices; _refusals counts graph-refused messages
-        self._graph_lock: asyncio.Lock | None = None
-        self._outbox_held = 0
+        # dask graphs: each takes its place in the outbox as a _GraphTurn when it is
+        # submitted; the outbox stops at it until the graph's slices are all sent, so
+        # nothing queued after it overtakes them; _refusals counts graph-refused messages
         self._refusals = 0
         self._background_sends: set = set()
         self._dask_default = None  # a dask_support.DefaultScheduler while we are dask's
@@ -576,15 +575,18 @@ class Client:
     def _drain_outbox(self) -> None:
         """Send what the outbox holds, in order; consecutive releases share a message.
 
-        Nothing is sent while a dask graph is being sent in slices (`_outbox_held`); the
-        outbox is drained when it is done.
+        A dask graph's turn (`_GraphTurn`) stops the draining: its slices go out next,
+        and the rest of the outbox after them (`_send_plan`).
         """
         self._drain_scheduled = False
-        if self._outbox_held:
-            return
         outbox = self._outbox
         released: list = []
         while outbox:
+            if type(outbox[0]) is _GraphTurn:
+                if released:
+                    self._send_now({"op": "release-keys", "keys": released})
+                outbox[0].reached()
+                return
             item = outbox.popleft()
             if type(item) is _KeyState:
                 if self._drop_reference(item):
@@ -615,9 +617,10 @@ class Client:
             comm.send(msg)
 
     def _send_on_loop(self, msg: dict) -> None:
-        """Send from the loop thread, after everything queued before it."""
+        """Send from the loop thread, after everything queued before it: through the
+        outbox, so that nothing overtakes a dask graph still going out in slices."""
+        self._outbox.append(msg)
         self._drain_outbox()
-        self._send_now(msg)
 
     def _check_running(self) -> None:
         if self.status != _RUNNING:
@@ -730,14 +733,12 @@ class Client:
         state.fail(functools.partial(_task_error, exception, traceback, text), tb_text)
 
     def _handle_cancelled_keys(self, msg: dict) -> None:
-        echoes = self._cancel_echoes
-        reason = msg.get("reason")  # e.g. a restart: not an answer to our own cancel
+        reqid = msg.get("reqid")
+        if reqid is not None and reqid in self._own_cancels:
+            self._own_cancels.discard(reqid)  # the answer to our own cancel: applied
+            return
+        reason = msg.get("reason")  # e.g. a restart
         for key in msg["keys"]:
-            if reason is None and echoes[key] > 0:  # our own cancel: already applied
-                echoes[key] -= 1
-                if not echoes[key]:
-                    del echoes[key]
-                continue
             state = self._states.get(key)
             if state is not None and self._detach(state):
                 state.cancel(reason if isinstance(reason, str) else None)
@@ -911,7 +912,9 @@ class Client:
             if self.asynchronous:
                 self._send_in_background(submission)
             else:
-                self._sync(self._send_plan, *submission)
+                turn = _GraphTurn()
+                self._post(turn)
+                self._sync(self._send_plan, *submission, turn)
         return futures
 
     def _dask_graph_futures(self, dsk, keys, options: dict) -> tuple:
@@ -964,11 +967,15 @@ class Client:
 
     async def _send_then_gather(self, submission, futures):
         if submission is not None:
-            await self._send_plan(*submission)
+            turn = _GraphTurn()
+            self._post(turn)
+            await self._send_plan(*submission, turn)
         return await self._gather(futures, "raise")
 
     def _send_in_background(self, submission) -> None:
-        coro = self._send_plan(*submission)
+        turn = _GraphTurn()
+        self._post(turn)  # its place in the order: before anything sent after compute()
+        coro = self._send_plan(*submission, turn)
         if self._on_loop():
             task = self._loop.create_task(coro)
         else:
@@ -977,7 +984,7 @@ class Client:
         task.add_done_callback(self._background_sends.discard)
         task.add_done_callback(_log_background_failure)
 
-    async def _send_plan(self, plan, holds: list, created: list) -> None:
+    async def _send_plan(self, plan, holds: list, created: list, turn: _GraphTurn) -> None:
         """Send a planned dask graph: slice by slice, one update-graph at a time.
 
         The next slice is pickled while the scheduler takes in the previous one; a
@@ -988,54 +995,50 @@ class Client:
         keys are wanted only until their last dependent is sent
         (`dask_support.SlicePart`). Failures fail the new keys.
         """
-        if self._graph_lock is None:
-            self._graph_lock = asyncio.Lock()
-        async with self._graph_lock:
-            self._drain_outbox()  # what was queued before this graph goes first
-            self._outbox_held += 1
-            temporary: set = set()
-            try:
-                refusals = self._refusals
-                ack = None
-                sent_at, n_sent = 0.0, 0
-                part = await self._encode(plan)
-                while True:
-                    if ack is not None:
-                        await ack
-                        taken = time.monotonic() - sent_at
-                        logger.debug("graph slice of %d tasks taken in by the scheduler "
-                                     "in %.1f ms", n_sent, 1e3 * taken)
-                        plan.adapt(n_sent, taken)
-                        if self._refusals != refusals:
-                            raise GraphRefusedError("the scheduler refused part of the "
-                                                    "graph; the rest was not sent")
-                    self._check_running()
-                    self._send_now({"op": "update-graph", "tasks": part.tasks,
-                                    "keys": part.keys})
-                    sent_at, n_sent = time.monotonic(), len(part.tasks)
-                    temporary.update(part.temporary)
-                    if part.release:
-                        temporary.difference_update(part.release)
-                        self._release_temporary(part.release)
-                    if plan.done:
-                        break
-                    ack = self._ping()
-                    part = await self._encode(plan)  # while the scheduler takes it in
-            except BaseException as exc:
-                error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
-                    f"sending the graph was interrupted: {exc!r}")
-                for state in created:
-                    if state.status == PENDING:
-                        state.fail(functools.partial(_same_error, error), None)
-                raise
-            finally:
-                if temporary and self.status == _RUNNING:
-                    self._release_temporary(temporary)
-                self._outbox_held -= 1
-                if not self._outbox_held:
-                    self._drain_outbox()
-                for state in holds:
-                    self._release_later(state)
+        temporary: set = set()
+        try:
+            await turn.wait(self._loop)  # what was queued before this graph goes first
+            refusals = self._refusals
+            ack = None
+            sent_at, n_sent = 0.0, 0
+            part = await self._encode(plan)
+            while True:
+                if ack is not None:
+                    await ack
+                    taken = time.monotonic() - sent_at
+                    logger.debug("graph slice of %d tasks taken in by the scheduler "
+                                 "in %.1f ms", n_sent, 1e3 * taken)
+                    plan.adapt(n_sent, taken)
+                    if self._refusals != refusals:
+                        raise GraphRefusedError("the scheduler refused part of the "
+                                                "graph; the rest was not sent")
+                self._check_running()
+                self._send_now({"op": "update-graph", "tasks": part.tasks,
+                                "keys": part.keys})
+                sent_at, n_sent = time.monotonic(), len(part.tasks)
+                temporary.update(part.temporary)
+                if part.release:
+                    temporary.difference_update(part.release)
+                    self._release_temporary(part.release)
+                if plan.done:
+                    break
+                ack = self._ping()
+                part = await self._encode(plan)  # while the scheduler takes it in
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
+                f"sending the graph was interrupted: {exc!r}")
+            for state in created:
+                if state.status == PENDING:
+                    state.fail(functools.partial(_same_error, error), None)
+            raise
+        finally:
+            if temporary and self.status == _RUNNING:
+                self._release_temporary(temporary)
+            with contextlib.suppress(ValueError):  # (gone if the client was closed)
+                self._outbox.remove(turn)  # at the head: the rest may go now
+            self._drain_outbox()
+            for state in holds:
+                self._release_later(state)
 
     async def _encode(self, plan):
         """The next slice of ``plan``, pickled right here on the loop while the scheduler
@@ -1309,8 +1312,9 @@ class Client:
             return
         keys = [s.key for s in states]
         self._check_running()
-        self._cancel_echoes.update(keys)
-        self._send_on_loop({"op": "cancel", "keys": keys, "force": force})
+        reqid = next(self._reqids)
+        self._own_cancels.add(reqid)
+        self._send_on_loop({"op": "cancel", "keys": keys, "force": force, "reqid": reqid})
         for state in states:
             self._detach(state)
             state.cancel()
@@ -1537,6 +1541,29 @@ def fire_and_forget(obj) -> None:
         by_client.setdefault(id(future.client), (future.client, []))[1].append(future.key)
     for client, keys in by_client.values():
         client._post({"op": "fire-and-forget", "keys": keys})
+
+
+class _GraphTurn:
+    """A dask graph's place in the client's outbox: draining stops there until the
+    graph's slices are sent (`Client._send_plan`)."""
+
+    __slots__ = ("_at_head", "_waiter")
+
+    def __init__(self) -> None:
+        self._at_head = False
+        self._waiter: asyncio.Future | None = None
+
+    def reached(self) -> None:
+        """On the loop: everything before it is sent."""
+        self._at_head = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self, loop) -> None:
+        """Until everything queued before it is sent."""
+        if not self._at_head:
+            self._waiter = loop.create_future()
+            await self._waiter
 
 
 def _refuse_actors(method: str, wanted: bool) -> None:

@@ -524,7 +524,20 @@ class Scheduler:
                        msg.get("keys"))
 
     def _cancel(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "cancel", self.state.cancel, client_id, msg.get("keys"),
+        """The core's cancel; its answer to the canceller carries the request's ``reqid``
+        so the client tells it from a cancel by someone else (``force``)."""
+        reqid = msg.get("reqid")
+        _require(reqid is None or type(reqid) is int, "cancel: reqid must be an int")
+
+        def cancel(*args, **kwargs):
+            client_msgs, worker_msgs = self.state.cancel(*args, **kwargs)
+            if reqid is not None:
+                for reply in client_msgs.get(client_id, ()):
+                    if reply.get("op") == "cancelled-keys":
+                        reply["reqid"] = reqid
+            return client_msgs, worker_msgs
+
+        self._stimulus(client_id, "cancel", cancel, client_id, msg.get("keys"),
                        force=msg.get("force", False) is True)
 
     def _retry(self, client_id: str, msg: dict) -> None:

@@ -577,3 +577,13 @@ def test_freeing_many_ready_tasks_does_not_leave_them_in_the_heap():
     w.free_keys(list(range(1, 1000)), "free")
     assert w.n_ready == 0 and len(w.ready) <= 64
     w.validate_state()
+
+
+def test_every_missing_data_of_a_stimulus_goes_before_its_reschedules():
+    """Found by the chaos soak: a reschedule sent before the other inputs' missing-data
+    made the scheduler refuse them (no task there needed the keys any more), so it kept
+    counting a hung worker as their holder."""
+    w = WorkerCore("tcp://me:1", max_fetch_attempts=1, validate=True)
+    w.compute_tasks([compute("D", {k: [A] for k in ("k1", "k2", "k3")})], "s1")
+    ops = [ins.msg["op"] for ins in w.fetch_failed(A, ["k1", "k2", "k3"], "s2")]
+    assert ops == ["missing-data"] * 3 + ["reschedule"]

@@ -201,8 +201,8 @@ class ScriptedScheduler:
         for key in msg["who_has"]:
             comm.send({"op": "key-in-memory", "key": key, "type": None})
 
-    def _on_cancel(self, comm, msg) -> None:
-        comm.send({"op": "cancelled-keys", "keys": list(msg["keys"])})
+    def _on_cancel(self, comm, msg) -> None:  # the answer carries the request's id
+        comm.send({"op": "cancelled-keys", "keys": list(msg["keys"]), "reqid": msg["reqid"]})
 
     def _on_desire_keys(self, comm, msg) -> None:
         if not self.compute:
@@ -524,6 +524,26 @@ def test_cancel(manual, mclient):
     assert again.status == "pending"
     with pytest.raises(CancelledError):
         mclient.submit(inc, future)
+
+
+def test_a_cancel_never_overtakes_a_graph_still_going_out(manual):
+    """An asynchronous client's compute() returns while its graph still goes out in
+    slices; a cancel made at once must reach the scheduler after every slice (else it
+    cancels keys the scheduler does not know yet, and the later slices create tasks
+    wanted by nobody's future)."""
+    Delayed = pytest.importorskip("dask.delayed").Delayed
+    graph = {("inc", i): (inc, i) for i in range(20_000)}
+    graph["total"] = (sum, list(graph))
+
+    async def main():
+        async with Client(manual.address, asynchronous=True) as client:
+            future = client.compute(Delayed("total", graph))
+            await client.cancel([future])
+            await asyncio.to_thread(manual.wait_for, "cancel")
+    asyncio.run(asyncio.wait_for(main(), 60))
+    ops = [m["op"] for m in manual.msgs]
+    assert ops.count("update-graph") >= 2  # it did go out in slices
+    assert ops.index("cancel") > max(i for i, op in enumerate(ops) if op == "update-graph")
 
 
 def test_cancelled_by_the_scheduler(manual, mclient):
