@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 
 __all__ = ["TaskStream", "TaskStreamEntry"]
 
@@ -77,15 +78,19 @@ class TaskStream:
         seq = max(seq, 0)
         wanted = max(self.total - max(seq, first), 0)
         take = min(wanted, max(limit, 0))
-        if sample and take < wanted:
-            step = wanted / take if take else 0
-            picks = [n - 1 - int(k * step) for k in range(take)]
-            picks.reverse()
+        if sample and 0 < take < wanted:
+            step = -(-wanted // take)  # every step-th, counted back from the newest
+            picked = list(islice(reversed(entries), 0, wanted, step))
+            seqs = range(self.total - 1, self.total - 1 - step * len(picked), -step)
+            raw = reversed(list(zip(seqs, picked)))
+            take = len(picked)
         else:
-            picks = range(n - take, n)
+            newest = list(islice(reversed(entries), take))
+            newest.reverse()
+            raw = zip(range(self.total - take, self.total), newest)
         out = []
-        for i in picks:
-            entry = _checked(first + i, entries[i])
+        for number, item in raw:
+            entry = _checked(number, item)
             if entry is not None:
                 out.append(entry)
         skipped = max(self.total - seq, 0) - take
