@@ -3,9 +3,10 @@
 
 Every reader goes through `SchedulerFigures`, and every count of tasks comes from one
 function, `_task_counts`: the single place that knows how the core exposes them. With
-the core's O(1) counters (``SchedulerState.counters()`` / ``prefix_counts()``) a read
-costs O(prefixes + workers); a core without them is walked once per read (O(tasks)),
-which only older cores need.
+the core's O(1) counters (``SchedulerState.prefix_counts()`` / ``task_counts()``) a read
+costs O(prefixes + workers). A core without them is walked (O(tasks)), and a walk's
+counts are reused for `WALK_REUSE` times as long as it took, so an open page costs the
+scheduler at most ~1% however large the graph (its counts then lag by up to that long).
 
 What it never does: change the state, or walk the tasks when the core keeps counts.
 """
@@ -26,19 +27,27 @@ PREFIX_STATES = ("released", "waiting", "queued", "no-worker", "processing", "me
                  "erred")
 #: Most prefixes the JSON status lists (those with the most tasks).
 MAX_PREFIXES = 200
+#: Without the core's counters, a walk's counts serve for this many times as long as the
+#: walk took: walks cost at most ~1 / WALK_REUSE of the scheduler's time.
+WALK_REUSE = 100
 
 
-def _task_counts(state) -> tuple[dict, dict]:
-    """``({state: n}, {prefix: {state: n}})`` for the tasks the scheduler holds now.
+def _task_counts(state) -> tuple[dict, dict] | None:
+    """``({state: n}, {prefix: {state: n}})`` read from the core's counters, or None if
+    the core keeps none (then `_walk_tasks` counts).
 
     The one place that reads task counts from the core."""
     prefix_counts = getattr(state, "prefix_counts", None)
-    if prefix_counts is not None:  # the core keeps counters: no walk
-        totals = dict.fromkeys(STATES, 0)
-        totals.update(state.task_counts())
-        by_prefix = {name: figures["task_counts"]
-                     for name, figures in prefix_counts().items()}
-        return totals, by_prefix
+    if prefix_counts is None:
+        return None
+    totals = dict.fromkeys(STATES, 0)
+    totals.update(state.task_counts())
+    by_prefix = {name: figures["task_counts"] for name, figures in prefix_counts().items()}
+    return totals, by_prefix
+
+
+def _walk_tasks(state) -> tuple[dict, dict]:
+    """The same counts by a walk over every task (a core without counters)."""
     totals = dict.fromkeys(STATES, 0)
     by_prefix: dict = {}
     for ts in state.tasks.values():
@@ -57,10 +66,32 @@ class SchedulerFigures:
     def __init__(self, scheduler) -> None:
         self.scheduler = scheduler
         self.started = time.time()
+        self._walked: tuple | None = None  # the last walk's counts, and when
+        self._walked_at = 0.0
+        self._walk_valid_until = 0.0
 
     def task_counts(self) -> tuple[dict, dict]:
-        """``({state: n}, {prefix: {state: n}})`` (see `_task_counts`)."""
-        return _task_counts(self.scheduler.state)
+        """``({state: n}, {prefix: {state: n}})``: from the core's counters, or else
+        from a walk over the tasks that is reused for `WALK_REUSE` times as long as it
+        took, so that walks take at most ~1% of the scheduler's time however often the
+        figures are read (a million tasks: a walk of ~0.2 s is redone every ~20 s)."""
+        counted = _task_counts(self.scheduler.state)
+        if counted is not None:
+            self._walked = None
+            return counted
+        now = time.monotonic()
+        if self._walked is None or now >= self._walk_valid_until:
+            started = time.perf_counter()
+            self._walked = _walk_tasks(self.scheduler.state)
+            took = time.perf_counter() - started
+            self._walked_at = now
+            self._walk_valid_until = now + WALK_REUSE * took
+        return self._walked
+
+    @property
+    def counts_age(self) -> float:
+        """Seconds since the task counts shown were taken (0 with the core's counters)."""
+        return 0.0 if self._walked is None else time.monotonic() - self._walked_at
 
     def workers(self) -> list:
         """One dict per worker: its address, name, threads, tasks processing and held,
@@ -125,6 +156,7 @@ class SchedulerFigures:
             "scheduler": {"address": scheduler.address, "version": __version__,
                           "compiled": COMPILED, "started": self.started},
             "cluster": cluster, "tasks": totals, "prefixes": shown,
+            "counts_age": self.counts_age,
             "prefixes_not_shown": max(len(prefixes) - MAX_PREFIXES, 0),
             "workers": workers, "server": self.server(),
         }

@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -449,3 +450,39 @@ def test_figures_read_the_cores_counters_without_walking_the_tasks():
     assert status["tasks"]["memory"] == 2 and status["cluster"]["tasks"] == 3
     assert status["prefixes"] == [{"name": "inc", "released": 0, "waiting": 0, "queued": 0,
                                    "no-worker": 0, "processing": 1, "memory": 2, "erred": 0}]
+
+
+def test_without_counters_a_walk_is_reused_for_a_hundred_times_its_cost():
+    """A core without counters is walked, and the counts serve a while: however often
+    the page and Prometheus read, walks cost the scheduler at most ~1%."""
+    from distributed_server.dashboard import figures as figures_module
+    from distributed_server.dashboard.figures import SchedulerFigures
+
+    class Task:
+        def __init__(self, state):
+            self.state, self.prefix = state, type("P", (), {"name": "inc"})
+
+    walks = []
+
+    class CountedWalks(dict):
+        def values(self):
+            walks.append(1)
+            time.sleep(0.01)  # a walk that takes 10 ms: reused for ~1 s
+            return super().values()
+
+    class OldCore:
+        tasks = CountedWalks({i: Task("memory") for i in range(5)})
+
+    class FakeScheduler:
+        state = OldCore()
+
+    figures = SchedulerFigures(FakeScheduler())
+    totals, by_prefix = figures.task_counts()
+    assert totals["memory"] == 5 and by_prefix == {"inc": {**dict.fromkeys(
+        figures_module.PREFIX_STATES, 0), "memory": 5}}
+    for _ in range(20):
+        figures.task_counts()
+    assert len(walks) == 1 and figures.counts_age < 1
+    time.sleep(0.01 * figures_module.WALK_REUSE + 0.1)
+    figures.task_counts()
+    assert len(walks) == 2

@@ -156,8 +156,13 @@
     }
     box.dataset.total = String(total);
     box.dataset.done = String(done);
-    $("progress-more").textContent = status.prefixes_not_shown ?
-      status.prefixes_not_shown + " more prefixes not shown" : "";
+    const notes = [];
+    if (status.prefixes_not_shown) notes.push(status.prefixes_not_shown + " more prefixes not shown");
+    if (status.counts_age > 2) {
+      notes.push("task counts from " + Math.round(status.counts_age) + " s ago (this core " +
+        "keeps no counters: counting is redone only as often as costs ~1% of the scheduler)");
+    }
+    $("progress-more").textContent = notes.join(" · ");
   }
 
   function renderWorkers(status) {
