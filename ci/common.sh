@@ -99,3 +99,28 @@ venv_is_current() {
     [ "$(cat "$1/.ci-stamp")" = "$2" ] && "$(venv_python "$1")" -c '' 2>/dev/null
 }
 write_stamp() { printf '%s' "$2" >"$1/.ci-stamp"; }
+
+# ensure_browser: the status page's browser test needs Chromium. Install Debian's
+# `chromium` when it is missing and we can (root with apt-get); then export
+# DCORE_REQUIRE_BROWSER=1 so that the test fails instead of skipping if the browser is
+# still not found. Without root or apt-get the test skips and says why.
+ensure_browser() {
+  local name
+  for name in chromium chromium-browser google-chrome google-chrome-stable; do
+    if command -v "$name" >/dev/null 2>&1; then
+      export DCORE_REQUIRE_BROWSER=1
+      return 0
+    fi
+  done
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing Debian's chromium for the status page's browser test"
+    if (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        chromium) >/dev/null 2>&1 && command -v chromium >/dev/null; then
+      export DCORE_REQUIRE_BROWSER=1
+      return 0
+    fi
+    warn "apt-get install chromium failed: the browser test will be skipped"
+  else
+    warn "no Chromium, and no root with apt-get to install it: the browser test will be skipped"
+  fi
+}

@@ -16,7 +16,8 @@
 # run that collected no tests (exit 5).
 #
 # Needs only Python 3.10+ (PYTHON=... picks one) and, for the compiled variant, a C
-# compiler. Venvs are reused while pyproject.toml and setup.py are unchanged; the
+# compiler. The status page's browser test needs Chromium: run as root with apt-get, the
+# script installs Debian's `chromium` if it is missing (else that one test skips). Venvs are reused while pyproject.toml and setup.py are unchanged; the
 # compiled venv reinstalls the package whenever a source file of it changed.
 # DCORE_CI_FRESH=1 rebuilds everything from scratch.
 #
@@ -226,6 +227,9 @@ variant() {
 }
 
 log "distributed-core tests: ${VARIANTS[*]}; checkout $ROOT; venvs in $CI_DIR"
+t_browser=$(now)
+ensure_browser
+record "browser for the status page test" "$t_browser"
 for name in "${VARIANTS[@]}"; do
   variant "$name"
 done

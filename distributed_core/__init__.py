@@ -72,6 +72,7 @@ Unauthorized = _core.Unauthorized
 GraphError = _core.GraphError
 TransitionLimitExceeded = _core.TransitionLimitExceeded
 bounded_repr = _core.bounded_repr
+key_prefix = _core.key_prefix
 TASK_STATES = _core.TASK_STATES
 WorkerTask = _worker_core.WorkerTask
 WorkerCore = _worker_core.WorkerCore
@@ -87,6 +88,6 @@ __all__ = [
     "COMPILED", "CORE_FILE", "WORKER_CORE_FILE", "TaskState", "WorkerState", "ClientState",
     "TaskPrefix", "SchedulerState", "InvalidTransition", "InvariantError", "InvalidStimulus",
     "Unauthorized", "GraphError", "TransitionLimitExceeded", "bounded_repr", "TASK_STATES",
-    "WorkerTask", "WorkerCore", "WORKER_TASK_STATES", "Execute", "Fetch", "SendMessage",
-    "StoreData", "ReleaseData", "ReportHeld", "__version__",
+    "key_prefix", "WorkerTask", "WorkerCore", "WORKER_TASK_STATES", "Execute", "Fetch",
+    "SendMessage", "StoreData", "ReleaseData", "ReportHeld", "__version__",
 ]

@@ -1,11 +1,14 @@
 """The ``dcore`` command: run a scheduler, a worker, or the demo; print the version.
 
-    dcore scheduler [--host HOST] [--port PORT] [credentials]
+    dcore scheduler [--host HOST] [--port PORT] [--dashboard-address :8787 | --no-dashboard]
+                    [credentials]
     dcore worker tcp://SCHEDULER:PORT [--nthreads N] [--name NAME] [--resources GPU=1,MEM=4e9]
                  [--nworkers N] [--memory-limit 4GiB|0.5|auto|0] [--no-nanny] [credentials]
                  [--memory-{target,spill,pause}-fraction F] [--local-directory DIR]
+                 [--dashboard-address :0 | --no-dashboard]
     dcore demo [--workers N] [--threads N] [--tasks N]
     dcore token                  print a fresh random cluster token
+    dcore dashboard-token        print the token of the HTTP endpoints (from the cluster's)
     dcore tls-files DIR [HOST..] write a new CA and a certificate for every role into DIR
     dcore --version
 
@@ -35,6 +38,7 @@ import distributed_core
 
 from . import config
 from .comm import parse_address
+from .dashboard.http import DEFAULT_DASHBOARD_PORT, parse_http_address
 from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
 from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
 from .security import (
@@ -65,6 +69,10 @@ def main(argv: list | None = None) -> int:
                 _resolve_worker_addresses(args)
             args.security = _security_from(args)
             check_listen_security(args.host, args.security, args.insecure, args.command)
+            if not args.no_dashboard:
+                dashboard_host, _ = parse_http_address(args.dashboard_address, args.host)
+                check_listen_security(dashboard_host, args.security, args.insecure,
+                                      f"{args.command} HTTP server")
             preload_here = args.command == "scheduler" or args.no_nanny
             args.preloads = [Preload(n) for n in args.preload] if preload_here else []
         except (SecurityError, ValueError, TimeoutError, ImportError, OSError) as e:
@@ -85,6 +93,15 @@ def main(argv: list | None = None) -> int:
         return asyncio.run(_run_nanny(args, memory_limit))
     if args.command == "token":
         print(new_token())
+        return 0
+    if args.command == "dashboard-token":
+        token = Security(token_file=args.token_file).dashboard_token() if args.token_file \
+            else Security.from_environment().dashboard_token()
+        if token is None:
+            print("dcore dashboard-token: no cluster token (give --token-file, or set "
+                  "DCORE_TOKEN / DCORE_TOKEN_FILE)", file=sys.stderr)
+            return 2
+        print(token)
         return 0
     if args.command == "tls-files":
         paths = write_tls_files(args.directory, tuple(args.hosts))
@@ -131,6 +148,12 @@ def _parser() -> argparse.ArgumentParser:
                            help="a module or .py file to import at start; its "
                                 "dcore_setup(scheduler) runs once the scheduler listens")
     scheduler.add_argument("--log-level", default="INFO")
+    scheduler.add_argument("--dashboard-address", default=f":{DEFAULT_DASHBOARD_PORT}",
+                           help="where the status page, JSON API and /metrics are served: "
+                                "PORT, :PORT or HOST:PORT (default %(default)s on --host; a "
+                                "busy port gives way to a free one)")
+    scheduler.add_argument("--no-dashboard", action="store_true",
+                           help="serve no HTTP endpoints")
     _add_security_flags(scheduler)
 
     worker = commands.add_parser("worker", help="run a worker")
@@ -197,9 +220,19 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--local-directory", default=None,
                         help="where spilled results go (default: the temporary directory)")
     worker.add_argument("--log-level", default="INFO")
+    worker.add_argument("--dashboard-address", default=":0",
+                        help="where each worker serves /metrics: :PORT or HOST:PORT "
+                             "(default: a free port on --host)")
+    worker.add_argument("--no-dashboard", action="store_true",
+                        help="serve no HTTP endpoints")
     _add_security_flags(worker)
 
     commands.add_parser("token", help="print a fresh random cluster token")
+    dashboard_token = commands.add_parser(
+        "dashboard-token", help="print the token of the HTTP endpoints: derived from the "
+        "cluster's token, it admits to the dashboard and /metrics only")
+    dashboard_token.add_argument("--token-file", help="file holding the cluster's token "
+                                 "(default: DCORE_TOKEN / DCORE_TOKEN_FILE)")
     tls = commands.add_parser("tls-files", help="write a new CA, certificate and key "
                               "(for every role of one cluster) into a directory")
     tls.add_argument("directory")
@@ -287,6 +320,10 @@ def _worker_memory_limit(args) -> int:
     elif args.nworkers > 1 and args.port:
         raise ValueError(f"--port {args.port} cannot serve {args.nworkers} workers "
                          "(leave it out: each worker picks a free port)")
+    elif args.nworkers > 1 and not args.no_dashboard \
+            and parse_http_address(args.dashboard_address, args.host)[1]:
+        raise ValueError(f"--dashboard-address {args.dashboard_address} cannot serve "
+                         f"{args.nworkers} workers (give port 0: each picks a free one)")
     return parse_memory_limit(args.memory_limit, args.nworkers)
 
 
@@ -339,7 +376,9 @@ async def _run_scheduler(args) -> int:
     scheduler = Scheduler(args.host, args.port, worker_ttl=args.worker_ttl,
                           validate=args.validate, worker_saturation=args.worker_saturation,
                           security=args.security, insecure=args.insecure,
-                          client_idle_timeout=args.client_idle_timeout)
+                          client_idle_timeout=args.client_idle_timeout,
+                          dashboard_address=None if args.no_dashboard
+                          else args.dashboard_address)
     preloads = args.preloads
     await scheduler.start()
     _tune_gc_for_a_server()
@@ -350,6 +389,8 @@ async def _run_scheduler(args) -> int:
     kind = "compiled" if distributed_core.COMPILED else "interpreted"
     print(f"Scheduler at {scheduler.address} (distributed-core "
           f"{distributed_core.__version__}, core {kind})", flush=True)
+    if scheduler.dashboard_url is not None:
+        print(f"Dashboard at {scheduler.dashboard_url}", flush=True)
     try:
         await _serve_until_signal(scheduler)
     finally:
@@ -397,7 +438,8 @@ async def _run_worker(args) -> int:
                     scheduler_timeout=args.scheduler_timeout,
                     reconnect_timeout=args.death_timeout or args.reconnect_timeout,
                     connect_timeout=args.death_timeout or 10.0,
-                    contact_address=args.contact_address)
+                    contact_address=args.contact_address,
+                    dashboard_address=None if args.no_dashboard else args.dashboard_address)
     await worker.start()
     print(f"Worker at {worker.address} connected to {args.address}", flush=True)
     _tell_nanny(worker.address)
@@ -456,6 +498,8 @@ async def _run_nanny(args, memory_limit: int) -> int:
         worker_args.append("--lifetime-restart")
     for name in args.preload:
         worker_args += ["--preload", name]
+    worker_args += ["--no-dashboard"] if args.no_dashboard else \
+        ["--dashboard-address", args.dashboard_address]
     if args.name is None:
         names = [None] * args.nworkers
     elif args.nworkers == 1:

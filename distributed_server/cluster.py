@@ -47,13 +47,19 @@ class LocalCluster:
     machine's memory (``0.5``), ``"auto"`` (the machine's memory divided by
     ``n_workers``) or 0 (none); with ``processes=True`` the nanny restarts a worker that
     passes 95% of it, and the worker finds it in ``DCORE_MEMORY_LIMIT``.
+
+    ``dashboard_address`` is where the scheduler serves its status page and ``/metrics``
+    (default ``":8787"`` on ``host``, a free port if that one is busy; ``":0"`` any free
+    port; None: no HTTP server). ``dashboard_link`` is the page's URL, with the dashboard
+    token in it when the cluster has a token.
     """
 
     def __init__(self, n_workers: int | None = None, threads_per_worker: int = 1,
                  processes: bool = True, *, host: str = "127.0.0.1", scheduler_port: int = 0,
                  worker_saturation: float | None = None, validate: bool = False,
                  timeout: float = 30.0, log_level: str = "WARNING",
-                 security: Security | None = None, memory_limit="auto"):
+                 security: Security | None = None, memory_limit="auto",
+                 dashboard_address: str | None = ":8787"):
         if n_workers is None:
             n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
         self.security = security if security is not None else Security(token=new_token())
@@ -62,6 +68,8 @@ class LocalCluster:
         self.threads_per_worker = threads_per_worker
         self.processes = processes
         self.scheduler_address = ""
+        self.dashboard_address = dashboard_address
+        self.dashboard_url: str | None = None  # without the token
         self._procs: list = []
         self._loop_thread: _LoopThread | None = None
         self._servers: list = []  # the scheduler, with processes=False
@@ -89,6 +97,16 @@ class LocalCluster:
     def __enter__(self):
         return self
 
+    @property
+    def dashboard_link(self) -> str | None:
+        """The status page's URL, carrying the dashboard token (`Security.dashboard_token`:
+        it admits to the HTTP endpoints only) when the cluster has a token; None without
+        a dashboard."""
+        if self.dashboard_url is None:
+            return None
+        token = self.security.dashboard_token()
+        return self.dashboard_url if token is None else f"{self.dashboard_url}?token={token}"
+
     def __exit__(self, *exc):
         self.close()
 
@@ -102,8 +120,14 @@ class LocalCluster:
             scheduler_cmd += ["--worker-saturation", str(worker_saturation)]
         if validate:
             scheduler_cmd.append("--validate")
-        scheduler = self._spawn(scheduler_cmd, keep="Scheduler at ")
+        if self.dashboard_address is None:
+            scheduler_cmd.append("--no-dashboard")
+        else:
+            scheduler_cmd += ["--dashboard-address", self.dashboard_address]
+        scheduler = self._spawn(scheduler_cmd, keep=("Scheduler at ", "Dashboard at "))
         self.scheduler_address = _read_address(scheduler, "Scheduler at ", timeout)
+        if self.dashboard_address is not None:
+            self.dashboard_url = _read_address(scheduler, "Dashboard at ", timeout)
         self._log_level = log_level
         for _ in range(self.n_workers):
             self._add_worker()
@@ -128,7 +152,8 @@ class LocalCluster:
                        str(self.memory_limit), "--log-level", self._log_level],
             quiet=("Worker at ",)))
 
-    def _spawn(self, cmd: list, keep: str | None = None, quiet: tuple = ()) -> subprocess.Popen:
+    def _spawn(self, cmd: list, keep: tuple | str | None = None,
+               quiet: tuple = ()) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
         env.update(self.security.environment())  # not in argv: ps shows argv to everyone
         proc = subprocess.Popen(
@@ -157,9 +182,10 @@ class LocalCluster:
         self._loop_thread = _LoopThread()
         scheduler = self._loop_thread.run(Scheduler(
             host, port, worker_saturation=worker_saturation, validate=validate,
-            security=self.security).start())
+            security=self.security, dashboard_address=self.dashboard_address).start())
         self._servers.append(scheduler)
         self.scheduler_address = scheduler.address
+        self.dashboard_url = scheduler.dashboard_url
         for _ in range(self.n_workers):
             self._add_worker()
 
@@ -273,7 +299,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _pass_through(proc: subprocess.Popen, keep: str | None, quiet: tuple) -> queue.Queue:
+def _pass_through(proc: subprocess.Popen, keep: tuple | str | None,
+                  quiet: tuple) -> queue.Queue:
     """Copy a child's stdout to ours in a thread, line by line, as long as it runs (so it
     never blocks on a full pipe), keeping nothing: lines starting with ``keep`` go to the
     returned queue instead (the scheduler's address), lines starting with one of

@@ -97,6 +97,7 @@ __all__ = [
     "Listener",
     "ListenerBusyError",
     "ProtocolError",
+    "TRAFFIC",
     "connect",
     "listen",
     "parse_address",
@@ -233,6 +234,25 @@ class Blob:
 
     def __repr__(self) -> str:
         return f"Blob(<{self.buffer.nbytes} bytes>)"
+
+
+class Traffic:
+    """Bytes and frames this process has written to and read from its comms, handshakes
+    included (counted per frame, not per message: a few additions a frame). Read by
+    the ``/metrics`` endpoints; increments from two threads (a Client's loop and a
+    server's in one process) may race and lose a count, which metrics can bear."""
+
+    __slots__ = ("bytes_sent", "bytes_received", "frames_sent", "frames_received")
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.frames_received = 0
+
+
+#: This process's comm traffic.
+TRAFFIC = Traffic()
 
 
 class _Encoder:
@@ -450,10 +470,14 @@ class Comm:
         `FRAME_SPLIT_BYTES`); returns the last chunk's future."""
         frames = self._encoder.encode_frames(msgs, FRAME_SPLIT_BYTES)
         write = self._stream.write
+        size = 0
         for chunks in frames:
             for chunk in chunks:
+                size += chunk.nbytes if type(chunk) is memoryview else len(chunk)
                 future = write(chunk)
         self._frames_in_window += len(frames)
+        TRAFFIC.bytes_sent += size
+        TRAFFIC.frames_sent += len(frames)
         self._last_write = future
         return future
 
@@ -487,6 +511,8 @@ class Comm:
             lengths = await self._read_lengths(n, body_len)
             body = await self._read_chunk(body_len, as_bytes=body_len < _READ_INTO_BYTES)
             buffers = [await self._read_chunk(size, as_bytes=False) for size in lengths]
+            TRAFFIC.bytes_received += _HEAD.size + 8 * n + body_len + sum(lengths)
+            TRAFFIC.frames_received += 1
         except StreamClosedError as e:
             if self._aborted:
                 raise
@@ -638,8 +664,10 @@ class _QuietLog:
     """Logs a repeated event at most ``burst`` times per ``period`` seconds, then once
     more with the number of events it kept quiet: one bad peer cannot flood the log."""
 
-    def __init__(self, level: int, burst: int = 5, period: float = 10.0) -> None:
+    def __init__(self, level: int, burst: int = 5, period: float = 10.0,
+                 log: logging.Logger | None = None) -> None:
         self.level = level
+        self.logger = log if log is not None else logger
         self.burst = burst
         self.period = period
         self._window_start = float("-inf")
@@ -650,12 +678,12 @@ class _QuietLog:
         now = time.monotonic()
         if now - self._window_start >= self.period:
             if self._suppressed:
-                logger.log(self.level, "(%d similar messages suppressed in the last %.0f s)",
-                           self._suppressed, self.period)
+                self.logger.log(self.level, "(%d similar messages suppressed in the last "
+                                "%.0f s)", self._suppressed, self.period)
             self._window_start, self._count, self._suppressed = now, 0, 0
         self._count += 1
         if self._count <= self.burst:
-            logger.log(self.level, msg, *args)
+            self.logger.log(self.level, msg, *args)
         else:
             self._suppressed += 1
 

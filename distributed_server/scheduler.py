@@ -33,7 +33,9 @@ from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __versio
 
 from . import config
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
+from .loop_lag import LoopLagMonitor
 from .security import Security, check_listen_security
+from .task_stream import TaskStream
 from .versions import essential, mismatches, versions
 
 logger = logging.getLogger("distributed_server.scheduler")
@@ -90,6 +92,12 @@ class Scheduler:
     allows). ``worker_ttl``, ``worker_saturation``, ``allowed_failures`` and
     ``client_idle_timeout`` left at None come from configuration (config.py: dask's
     ``distributed.scheduler.*`` keys carry over), else 300 s, 1.1, 3 and 300 s.
+
+    ``dashboard_address`` (``":8787"``, ``"host:port"``, ``":0"`` for any free port; the
+    host defaults to ``host``) starts the HTTP server of the status page, the JSON API and
+    ``/metrics`` (`distributed_server.dashboard`); None (the default here; ``dcore
+    scheduler`` serves on 8787) starts none. A busy port gives way to a free one, with a
+    warning; ``dashboard_url`` tells where it is.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -98,13 +106,20 @@ class Scheduler:
                  validate: bool = False, worker_saturation: float | None = None,
                  allowed_failures: int | None = None,
                  client_idle_timeout: float | None = None,
-                 max_connections: int | None = None):
+                 max_connections: int | None = None, dashboard_address=None):
         worker_ttl = config.get("scheduler.worker-ttl", worker_ttl)
         worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
         allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
         client_idle_timeout = config.get("scheduler.client-idle-timeout", client_idle_timeout)
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "scheduler")
+        self.insecure = insecure
+        self.dashboard_address = dashboard_address
+        if dashboard_address is not None:
+            from .dashboard.http import parse_http_address
+
+            dashboard_host, _ = parse_http_address(dashboard_address, host)
+            check_listen_security(dashboard_host, self.security, insecure, "dashboard")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
                                     allowed_failures=allowed_failures, clock=time.time)
         self.host = host
@@ -131,6 +146,16 @@ class Scheduler:
         self._ttl_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._closed = asyncio.Event()
+        #: Recent task outcomes: (key, worker, start, stop, ok), one append per task.
+        self.task_stream = TaskStream()
+        #: worker address -> the URL of its HTTP server (from its registration)
+        self.worker_dashboards: dict = {}
+        self.loop_lag = LoopLagMonitor()  # sampled while the dashboard runs
+        self.n_stimuli = 0
+        self.graph_updates = 0
+        self.graph_tasks = 0
+        self.graph_intake_seconds = 0.0
+        self.http = None  # the dashboard's HttpServer, once started
         self._client_handlers = {
             "update-graph": self._update_graph,
             "update-data": self._update_data,
@@ -161,7 +186,26 @@ class Scheduler:
         self.address = self._listener.address
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
+        if self.dashboard_address is not None:
+            await self._start_dashboard()
         return self
+
+    async def _start_dashboard(self) -> None:
+        from .dashboard.http import parse_http_address
+        from .dashboard.scheduler_app import start_scheduler_http
+
+        host, port = parse_http_address(self.dashboard_address, self.host)
+        try:
+            self.http = await start_scheduler_http(self, host, port, insecure=self.insecure)
+        except BaseException:
+            await self.close()
+            raise
+        self.loop_lag.start()
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The status page's URL (``http(s)://host:port/status``), or None."""
+        return None if self.http is None else f"{self.http.url}/status"
 
     async def close(self, close_workers: bool = True) -> None:
         """Stop listening; ask the workers to shut down; drop every connection."""
@@ -170,6 +214,7 @@ class Scheduler:
         self._closed.set()
         if self._ttl_task is not None:
             self._ttl_task.cancel()
+        self.loop_lag.stop()
         if self._listener is not None:
             await self._listener.stop()
         comms = list(self.client_comms.values())
@@ -180,6 +225,8 @@ class Scheduler:
         comms += list(self.nanny_comms.values())
         await asyncio.gather(*(comm.close(timeout=1.0) for comm in comms),
                              return_exceptions=True)
+        if self.http is not None:  # last: the peers' close messages must not wait for it
+            await self.http.stop()
 
     async def finished(self) -> None:
         """Wait until the scheduler is closed."""
@@ -209,11 +256,13 @@ class Scheduler:
     async def _serve_worker(self, comm) -> None:
         info = comm.extra
         try:
-            address, nthreads, name, resources = _worker_info(info, self.security.scheme)
+            address, nthreads, name, resources, dashboard = _worker_info(info,
+                                                                         self.security.scheme)
             _require(address not in self.worker_comms,
                      f"a worker at {address} is already registered")
             messages = self.state.add_worker(address, nthreads, self._sid("add-worker"),
                                              name=name, resources=resources)
+            self.n_stimuli += 1
         except (MessageError, InvalidStimulus) as exc:
             logger.warning("refusing worker from %s: %s", comm.peer_address, exc)
             await _refuse(comm, str(exc))
@@ -223,6 +272,8 @@ class Scheduler:
             logger.warning("worker %s runs other versions than the scheduler (%s): tasks "
                            "may fail to unpickle there", address, "; ".join(differ))
         self.worker_comms[address] = comm
+        if dashboard is not None:
+            self.worker_dashboards[address] = dashboard
         self.last_seen[address] = time.monotonic()
         self._registrations += 1
         self._joined[address] = self._registrations
@@ -235,6 +286,7 @@ class Scheduler:
             del self.worker_comms[address]
             self.last_seen.pop(address, None)
             self.worker_memory.pop(address, None)
+            self.worker_dashboards.pop(address, None)
             self._stimulus(address, "remove-worker", self.state.remove_worker, address)
             self._joined.pop(address, None)
             self._workers_changed.set()
@@ -321,6 +373,7 @@ class Scheduler:
         the stimulus id and the state is validated; the peer is not blamed.
         """
         stimulus_id = self._sid(cause)
+        self.n_stimuli += 1
         try:
             messages = stimulus(*args, stimulus_id, **kwargs)
         except InvalidStimulus as exc:
@@ -384,11 +437,12 @@ class Scheduler:
         self._flush_reports(address, finished, erred)
 
     def _flush_reports(self, address: str, finished: list, erred: list) -> None:
-        if finished:
-            self._stimulus(address, "task-finished", self.state.task_finished, address,
-                           finished)
-        if erred:
-            self._stimulus(address, "task-erred", self.state.task_erred, address, erred)
+        if finished and self._stimulus(address, "task-finished", self.state.task_finished,
+                                       address, finished):
+            self.task_stream.record(address, finished, True)
+        if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
+                                    erred):
+            self.task_stream.record(address, erred, False)
 
     async def _check_ttl(self) -> None:
         """Remove workers silent for longer than ``worker_ttl``, and disconnect clients
@@ -431,8 +485,13 @@ class Scheduler:
                 turn_end = time.monotonic() + TURN_SECONDS
 
     def _update_graph(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
-                       msg.get("tasks"), msg.get("keys"))
+        started = time.perf_counter()
+        tasks = msg.get("tasks")
+        if self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
+                          tasks, msg.get("keys")):
+            self.graph_updates += 1
+            self.graph_tasks += len(tasks)
+        self.graph_intake_seconds += time.perf_counter() - started
 
     def _update_data(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "update-data", self.state.update_data, client_id,
@@ -712,21 +771,31 @@ def _nanny_workers(workers) -> tuple:
 
 
 def _worker_info(info: dict, scheme: str) -> tuple:
-    """Check a worker's handshake: (address, nthreads, name, resources).
+    """Check a worker's handshake: (address, nthreads, name, resources, dashboard).
 
-    The state machine checks the values themselves; this checks the message's shape."""
+    The state machine checks the values themselves; this checks the message's shape.
+    ``dashboard``, the URL of the worker's HTTP server, is optional."""
     address = info.get("address")
     try:
         _require(parse_address(address)[0] == scheme,
                  f"a worker of this cluster listens on {scheme}://, not {address!r}")
     except ValueError as exc:
         raise MessageError(f"worker handshake needs its listen 'address': {exc}") from None
-    return address, info.get("nthreads", 1), info.get("name"), info.get("resources")
+    dashboard = info.get("dashboard")
+    _require(dashboard is None or (isinstance(dashboard, str) and len(dashboard) <= 300
+                                   and dashboard.startswith(("http://", "https://"))
+                                   and dashboard.isprintable()),
+             f"a worker's 'dashboard' must be an http(s) URL, not "
+             f"{bounded_repr(dashboard, 100)}")
+    return (address, info.get("nthreads", 1), info.get("name"), info.get("resources"),
+            dashboard)
 
 
 #: A worker's memory figures before its first heartbeat (or from one that sent none).
 _NO_MEMORY_FIGURES = {"memory": None, "managed": None, "spilled": None, "spilled_count": None,
-                      "paused": False}
+                      "paused": False, "cpu": None}
+#: The most CPU a heartbeat may claim, in cores.
+_MAX_CPU = 1e5
 
 
 def _memory_figures(msg: dict, address: str) -> dict:
@@ -739,6 +808,11 @@ def _memory_figures(msg: dict, address: str) -> dict:
                  f"heartbeat from {address}: {name} must be bytes, not "
                  f"{bounded_repr(value, 60)}")
         figures[name] = value
+    cpu = msg.get("cpu")
+    _require(cpu is None or (type(cpu) in (int, float) and 0 <= cpu <= _MAX_CPU),
+             f"heartbeat from {address}: cpu must be a number of cores, not "
+             f"{bounded_repr(cpu, 60)}")
+    figures["cpu"] = cpu
     paused = msg.get("paused", False)
     _require(type(paused) is bool, f"heartbeat from {address}: paused must be a bool, not "
                                    f"{bounded_repr(paused, 60)}")

@@ -20,7 +20,10 @@ for child processes): ``DCORE_TOKEN``, ``DCORE_TOKEN_FILE``, ``DCORE_TLS_CA_FILE
 """
 from __future__ import annotations
 
+import base64
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import os
 import secrets
@@ -180,6 +183,42 @@ class Security:
                 raise SecurityError(f"cannot load the TLS files: {e}") from e
             self._contexts[server_side] = context
         return context
+
+
+    # ------------------------------------------------------------------ HTTP
+
+    def dashboard_token(self) -> str | None:
+        """The token of the HTTP endpoints (dashboard, ``/metrics``): derived from the
+        cluster's token, it admits to them and to nothing else, so a link or a scrape
+        config that carries it cannot join the cluster. None without a cluster token."""
+        if self.token is None:
+            return None
+        digest = hmac.new(self.token.encode(), _DASHBOARD_TOKEN_LABEL, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+    def http_ssl_context(self) -> ssl.SSLContext | None:
+        """The SSLContext of an HTTPS endpoint; None without TLS. It presents this
+        process's certificate; a client certificate is asked for and, if one is
+        presented, checked against the CA (so a browser without one still connects, and
+        then needs the dashboard token)."""
+        if not self.tls:
+            return None
+        context = self._contexts.get("http")
+        if context is None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = self.tls_min_version
+            context.verify_mode = ssl.CERT_OPTIONAL
+            try:
+                context.load_verify_locations(cafile=self.tls_ca_file)
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            except (ssl.SSLError, OSError) as e:
+                raise SecurityError(f"cannot load the TLS files: {e}") from e
+            self._contexts["http"] = context
+        return context
+
+
+#: What the dashboard token is derived with (an HMAC keyed by the cluster token).
+_DASHBOARD_TOKEN_LABEL = b"distributed-core dashboard v1"
 
 
 def is_loopback(host: str) -> bool:

@@ -180,6 +180,10 @@ class Worker:
     over), else 0.6, 0.7 and 0.8. ``connect_timeout``, ``transfer_timeout`` and
     ``scheduler_timeout`` left at None come from configuration too. Heartbeats carry the process's memory, the bytes held and spilled, and whether
     the worker is paused.
+
+    ``dashboard_address`` (``":0"``: any free port on ``host``) serves ``/metrics`` over
+    HTTP (`distributed_server.dashboard.worker_app`); None (the default here; ``dcore
+    worker`` serves on a free port) serves none.
     """
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name=None,
@@ -195,7 +199,7 @@ class Worker:
                  memory_spill_fraction: float | bool | None = None,
                  memory_pause_fraction: float | bool | None = None,
                  local_directory: str | None = None, contact_address: str | None = None,
-                 validate: bool = False) -> None:
+                 validate: bool = False, dashboard_address=None) -> None:
         if type(nthreads) is not int or not 1 <= nthreads <= MAX_THREADS:
             raise ValueError(f"nthreads must be an int from 1 to {MAX_THREADS}, "
                              f"got {nthreads!r}")
@@ -222,6 +226,10 @@ class Worker:
         check_fractions(memory_target_fraction, memory_spill_fraction, memory_pause_fraction)
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "worker")
+        self.insecure = insecure
+        self.dashboard_address = dashboard_address
+        self.http = None  # the HTTP server of /metrics (dashboard/worker_app.py)
+        self._process = psutil.Process()  # its CPU use goes with each heartbeat
         if parse_address(scheduler_address)[0] != self.security.scheme:
             raise ValueError(f"scheduler address {scheduler_address!r} does not fit the "
                              f"security given (use {self.security.scheme}://)")
@@ -314,6 +322,11 @@ class Worker:
         self._start_threads()
         self.status = RUNNING_STATUS
         try:
+            if self.dashboard_address is not None:
+                from .dashboard.worker_app import start_worker_http
+
+                self.http = await start_worker_http(self, self.dashboard_address,
+                                                    self.insecure)
             comm = await connect(self.scheduler_address, self._registration(),
                                  timeout=self.connect_timeout, security=self.security)
         except BaseException:
@@ -343,6 +356,8 @@ class Worker:
         await self._cancel_tasks()
         if self._listener is not None:
             await self._listener.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self._scheduler_comm is not None:
             await self._scheduler_comm.close(timeout=1.0)
         for comm in [*self._served, *itertools.chain(*self._peer_pool.values())]:
@@ -453,7 +468,8 @@ class Worker:
     def _registration(self) -> dict:
         """The handshake info that registers this worker with the scheduler."""
         return {"role": "worker", "address": self.address, "nthreads": self.nthreads,
-                "name": self.name, "resources": self.resources, "versions": essential()}
+                "name": self.name, "resources": self.resources, "versions": essential(),
+                "dashboard": self.http.url if self.http is not None else None}
 
     # ------------------------------------------------------------------ stimuli in, instructions out
 
@@ -636,7 +652,8 @@ class Worker:
             logger.warning("worker %s: the scheduler at %s has not answered for %.1fs; "
                            "treating it as lost", self.address, self.scheduler_address, silent)
             comm.abort()
-        self._send({"op": "heartbeat", **self.memory_figures()})
+        self._send({"op": "heartbeat", **self.memory_figures(),
+                    "cpu": self._process.cpu_percent(None) / 100})
         self._heartbeat_handle = self._loop.call_later(self.heartbeat_interval, self._heartbeat)
 
     # ------------------------------------------------------------------ execution

@@ -2,10 +2,12 @@
 
 Checks that the expected core is loaded (``EXPECT_COMPILED=1`` or ``0``), then starts a
 LocalCluster of real processes, runs a small graph with dependencies between workers, a
-task that raises, and releases everything. Exits non-zero on any failure.
+task that raises, and releases everything; reads the status page, its assets (package
+data the wheel must carry) and /metrics. Exits non-zero on any failure.
 """
 import os
 import sys
+import urllib.request
 
 import distributed_core
 from distributed_server import Client, LocalCluster
@@ -17,6 +19,17 @@ def square(x):
 
 def fail(x):
     raise ValueError(f"bad input {x}")
+
+
+def check_dashboard(cluster) -> None:
+    """The page and every asset it loads come from the installed package."""
+    base = cluster.dashboard_url.rsplit("/status", 1)[0]
+    headers = {"Authorization": f"Bearer {cluster.security.dashboard_token()}"}
+    for path in ("/status", "/static/status.js", "/static/status.css", "/static/favicon.svg",
+                 "/api/v1/status", "/metrics"):
+        request = urllib.request.Request(base + path, headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200 and response.read(), path
 
 
 def main() -> int:
@@ -40,7 +53,9 @@ def main() -> int:
         del squares, total
         info = client.scheduler_info()
         assert len(info["workers"]) == 2 and info["compiled"] == distributed_core.COMPILED
-    print("smoke test passed: 101 tasks on 2 worker processes, errors and cleanup")
+        check_dashboard(cluster)
+    print("smoke test passed: 101 tasks on 2 worker processes, errors and cleanup, "
+          "the status page and /metrics")
     return 0
 
 
