@@ -7,11 +7,15 @@ from distributed_core import COMPILED, __version__
 
 from .client import CancelledError, Client, Future, as_completed, wait
 from .cluster import LocalCluster
+from .dask_support import futures_of
+from .introspection import StoryEntry, WorkerSilent
+from .progress import progress
 from .scheduler import Scheduler
 from .security import Security, SecurityError
 from .worker import Worker
 
 __all__ = [
     "COMPILED", "CancelledError", "Client", "Future", "LocalCluster", "Scheduler", "Security",
-    "SecurityError", "Worker", "__version__", "as_completed", "wait",
+    "SecurityError", "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed",
+    "futures_of", "progress", "wait",
 ]

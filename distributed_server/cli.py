@@ -32,6 +32,7 @@ import sys
 
 import distributed_core
 
+from . import logs
 from .comm import parse_address
 from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
 from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
@@ -54,8 +55,7 @@ def main(argv: list | None = None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(_role_of(args), getattr(args, "log_level", "INFO"))
     if args.command in ("scheduler", "worker"):
         try:
             if args.command == "worker" and args.host is None:
@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="check every invariant after each stimulus (slow)")
     scheduler.add_argument("--client-idle-timeout", type=float, default=300.0,
                            help="seconds of silence after which a client is disconnected")
-    scheduler.add_argument("--log-level", default="INFO")
+    scheduler.add_argument("--log-level", default="INFO", type=_log_level,
+                           help="CRITICAL, ERROR, WARNING, INFO (default) or DEBUG")
     _add_security_flags(scheduler)
 
     worker = commands.add_parser("worker", help="run a worker")
@@ -160,7 +161,9 @@ def _parser() -> argparse.ArgumentParser:
                              "again before it exits (default %(default)s)")
     worker.add_argument("--local-directory", default=None,
                         help="where spilled results go (default: the temporary directory)")
-    worker.add_argument("--log-level", default="INFO")
+    worker.add_argument("--log-level", default="INFO", type=_log_level,
+                        help="CRITICAL, ERROR, WARNING, INFO (default) or DEBUG; the "
+                             "nanny's and its workers'")
     _add_security_flags(worker)
 
     commands.add_parser("token", help="print a fresh random cluster token")
@@ -211,6 +214,22 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(target, 1 << 16), hard))
     except (ImportError, OSError, ValueError):
         pass
+
+
+def _role_of(args) -> str:
+    """The role this process plays, as its log lines name it."""
+    if args.command == "worker":
+        return "worker" if args.no_nanny else "nanny"
+    return "client" if args.command == "demo" else args.command
+
+
+def _log_level(text: str) -> str:
+    """A ``--log-level``: a level name in any case (given on as upper case) or a number."""
+    try:
+        logs.level_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip().upper()
 
 
 def _fraction(text: str) -> float:

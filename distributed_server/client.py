@@ -63,10 +63,11 @@ import random
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 
-from . import dask_support
+from . import dask_support, logs
 from .comm import Blob, Comm, CommClosedError, connect
 from .futures import (
     ALL_COMPLETED,
@@ -91,6 +92,7 @@ from .futures import (
     default_client,
     wait,
 )
+from .introspection import StoryEntry, WorkerSilent, check_timeout
 from .security import Security
 from .serialize import dumps_data, loads_data, loads_error, sizeof
 from .taskspec import (
@@ -1367,6 +1369,58 @@ class Client:
                                f"{timeout} s")
         return self
 
+    # ------------------------------------------------------------ introspection
+
+    def story(self, *keys, timeout: float = 5.0):
+        """What happened to these keys (or futures), in the scheduler and on every worker:
+        a list of `StoryEntry` ``(key, start, finish, stimulus_id, time, where)`` sorted
+        by time. Workers that do not answer within ``timeout`` seconds are left out with
+        a RuntimeWarning naming them. KeyError for a key that neither the scheduler nor
+        any worker knows (never submitted, or forgotten and out of their bounded logs).
+        """
+        keys = [k.key if isinstance(k, Future) else k for k in keys]
+        if not keys:
+            raise TypeError("story() needs at least one key or future")
+        try:
+            hash(tuple(keys))
+        except TypeError:
+            raise TypeError(f"story(): keys must be hashable, got {keys!r:.200}") from None
+        timeout = check_timeout(timeout)
+        return self._sync(self._story, keys, timeout)
+
+    async def _story(self, keys: list, timeout: float) -> list:
+        result = await self._request("story", keys=keys, timeout=timeout)
+        if result["unknown"]:
+            raise KeyError(f"no story for {list(result['unknown'])!r:.300}: neither the "
+                           "scheduler nor any worker knows it (never submitted here, or "
+                           "forgotten and out of their bounded logs)")
+        _warn_silent("story", result["silent"])
+        return [StoryEntry(*entry) for entry in result["story"]]
+
+    def get_scheduler_logs(self, n: int | None = None):
+        """The scheduler's last ``n`` log lines (every line it keeps, up to 10,000, for
+        None), oldest first."""
+        n = logs.check_line_count(n)
+        return self._sync(self._scheduler_logs, n)
+
+    async def _scheduler_logs(self, n) -> list:
+        return list(await self._request("scheduler-logs", n=n))
+
+    def get_worker_logs(self, n: int | None = None, timeout: float = 5.0):
+        """``{worker address: its last n log lines}`` (every line kept, up to 10,000, for
+        None), oldest first. A worker that does not answer within ``timeout`` seconds
+        (or left meanwhile) gets a `WorkerSilent` exception saying so instead of lines."""
+        n = logs.check_line_count(n)
+        timeout = check_timeout(timeout)
+        return self._sync(self._worker_logs, n, timeout)
+
+    async def _worker_logs(self, n, timeout: float) -> dict:
+        result = await self._request("worker-logs", n=n, timeout=timeout)
+        answers: dict = {address: list(lines) for address, lines in result["logs"].items()}
+        for address, reason in result["silent"].items():
+            answers[address] = WorkerSilent(f"worker {address} did not answer: {reason}")
+        return dict(sorted(answers.items()))
+
     async def _wait_for_workers(self, n_workers: int, timeout: float | None) -> None:
         async def poll():
             while len((await self._request("identity"))["workers"]) < n_workers:
@@ -1376,6 +1430,13 @@ class Client:
             await asyncio.wait_for(poll(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"fewer than {n_workers} workers after {timeout}s") from None
+
+
+def _warn_silent(what: str, silent: dict) -> None:
+    if silent:
+        named = "; ".join(f"{address}: {reason}" for address, reason in sorted(silent.items()))
+        warnings.warn(f"{what}: {len(silent)} worker(s) left out: {named}", RuntimeWarning,
+                      stacklevel=4)
 
 
 def _keys_to_futures(keys, by_key: dict):
