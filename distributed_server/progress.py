@@ -67,7 +67,9 @@ class _Tracker:
     def __init__(self, total: int, bar_options: dict) -> None:
         from tqdm.auto import tqdm
 
-        options = {"desc": "progress", "unit": "task", **bar_options}
+        # miniters=1: redraw on any progress (at most every mininterval, 0.1 s), never
+        # skip updates because earlier ones came in bursts
+        options = {"desc": "progress", "unit": "task", "miniters": 1, **bar_options}
         self.bar = tqdm(total=total, **options)
         self.total = total
         self.done = 0
