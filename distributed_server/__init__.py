@@ -5,9 +5,18 @@ made by the compiled state machine in ``distributed_core``, which the Scheduler 
 """
 from distributed_core import COMPILED, __version__
 
-from .client import CancelledError, Client, Future, as_completed, wait
+from .client import (
+    ALL_COMPLETED,
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    CancelledError,
+    Client,
+    Future,
+    as_completed,
+    futures_of,
+    wait,
+)
 from .cluster import LocalCluster
-from .dask_support import futures_of
 from .introspection import StoryEntry, WorkerSilent
 from .progress import progress
 from .scheduler import Scheduler
@@ -15,7 +24,8 @@ from .security import Security, SecurityError
 from .worker import Worker
 
 __all__ = [
-    "COMPILED", "CancelledError", "Client", "Future", "LocalCluster", "Scheduler", "Security",
-    "SecurityError", "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed",
-    "futures_of", "progress", "wait",
+    "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
+    "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
+    "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed", "futures_of",
+    "progress", "wait",
 ]

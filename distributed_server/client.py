@@ -67,7 +67,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 
-from . import dask_support, logs
+from . import dask_support, logs, remote_run
 from .comm import Blob, Comm, CommClosedError, connect
 from .futures import (
     ALL_COMPLETED,
@@ -75,6 +75,7 @@ from .futures import (
     ERROR,
     FINISHED,
     FIRST_COMPLETED,
+    FIRST_EXCEPTION,
     PENDING,
     CancelledError,
     DoneAndNotDoneFutures,
@@ -90,6 +91,7 @@ from .futures import (
     _unique_states,
     as_completed,
     default_client,
+    futures_of,
     wait,
 )
 from .introspection import StoryEntry, WorkerSilent, check_timeout
@@ -108,6 +110,7 @@ from .taskspec import (
 __all__ = [
     "ALL_COMPLETED",
     "FIRST_COMPLETED",
+    "FIRST_EXCEPTION",
     "CancelledError",
     "Client",
     "DoneAndNotDoneFutures",
@@ -118,6 +121,7 @@ __all__ = [
     "TaskFailedError",
     "as_completed",
     "default_client",
+    "futures_of",
     "wait",
 ]
 
@@ -321,7 +325,10 @@ class Client:
         if address is not None and cluster_kwargs:
             raise TypeError(f"unexpected arguments {sorted(cluster_kwargs)}: keyword "
                             "arguments are for the LocalCluster started when address=None")
+        #: The LocalCluster given as ``address`` (or started by this client), else None.
+        self.cluster = None
         if hasattr(address, "scheduler_address"):
+            self.cluster = address
             address = address.scheduler_address
         if isinstance(address, str) and "://" not in address:
             address = f"tcp://{address}"
@@ -368,7 +375,7 @@ class Client:
 
     def _start_sync(self) -> None:
         if self.scheduler_address is None:
-            self._cluster = self._make_cluster()
+            self._cluster = self.cluster = self._make_cluster()
             self.scheduler_address = self._cluster.scheduler_address
         self._runner = _ClientLoopThread(name=f"{self.id}-loop")
         try:
@@ -383,7 +390,7 @@ class Client:
         if self.status != _CREATED:
             return self
         if self.scheduler_address is None:
-            self._cluster = await asyncio.to_thread(self._make_cluster)
+            self._cluster = self.cluster = await asyncio.to_thread(self._make_cluster)
             self.scheduler_address = self._cluster.scheduler_address
         try:
             await self._connect()
@@ -772,7 +779,8 @@ class Client:
 
     def submit(self, func: Callable, *args, key=None, pure: bool = True, retries: int = 0,
                priority: int = 0, workers=None, resources: dict | None = None,
-               allow_other_workers: bool = False, **kwargs) -> Future:
+               allow_other_workers: bool = False, fifo_timeout=None, actor: bool = False,
+               actors: bool = False, **kwargs) -> Future:
         """Run ``func(*args, **kwargs)`` on a worker; returns its Future at once.
 
         Futures anywhere in ``args``/``kwargs`` (nested in lists, tuples, sets, dicts)
@@ -781,7 +789,10 @@ class Client:
         shares its result; ``pure=False`` gives a fresh key. ``priority`` (higher first)
         and ``retries`` pass through; ``workers`` (addresses or names) restricts where it
         runs, loosely with ``allow_other_workers``; ``resources`` like ``{"GPU": 1}``.
+        dask's ``fifo_timeout`` is accepted and has no effect (tasks of one client run
+        in submission order already); ``actor=True`` is refused (no actors here).
         """
+        _refuse_actors("submit", actor or actors)
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
         task = _TaskEncoder(self, func, pure, options).task(args, kwargs, key)
         return self._register([task])[0]
@@ -789,10 +800,12 @@ class Client:
     def map(self, func: Callable, *iterables, key=None, pure: bool = True, retries: int = 0,
             priority: int = 0, workers=None, resources: dict | None = None,
             allow_other_workers: bool = False, batch_size: int | None = None,
+            fifo_timeout=None, actor: bool = False, actors: bool = False,
             **kwargs) -> list[Future]:
         """``submit`` over zipped ``iterables``: one update-graph per ``batch_size``
         tasks (default `MAP_BATCH_TASKS`), each taken or refused by the scheduler on its
         own. ``key`` is a key prefix or a list of keys."""
+        _refuse_actors("map", actor or actors)
         keys = key if isinstance(key, list) else None
         prefix = key if isinstance(key, str) else None
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
@@ -1321,11 +1334,81 @@ class Client:
     async def _wait(self, futures: list[Future], timeout, return_when: str):
         states = _unique_states(futures)
         needed = 1 if return_when == FIRST_COMPLETED else None
-        await asyncio.wait_for(self._wait_settled(states, needed=needed), timeout)
+        await asyncio.wait_for(self._wait_settled(
+            states, stop_on_error=return_when == FIRST_EXCEPTION, needed=needed), timeout)
         done = {f for f in futures if f.done()}
         return DoneAndNotDoneFutures(done, {f for f in futures if f not in done})
 
     # ------------------------------------------------------------ cluster information
+
+    def run(self, function: Callable, *args, workers=None, wait: bool = True,
+            on_error: str = "raise", **kwargs):
+        """Call ``function(*args, **kwargs)`` once in every worker process (or those of
+        ``workers``: addresses or names); ``{address: result}``. A coroutine function
+        runs on the worker's event loop, any other on a thread; a ``dask_worker``
+        parameter receives the Worker. ``on_error="raise"`` raises the first error,
+        ``"return"`` puts errors in the dict. ``wait=False`` returns None at once."""
+        if on_error not in ("raise", "return"):
+            raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
+        payload = remote_run.pack_call(function, args, kwargs)
+        if not wait:
+            self._sync(self._spawn_run, payload, workers)
+            return None
+        return self._sync(self._run_everywhere, payload, workers, on_error)
+
+    async def _spawn_run(self, payload: bytes, workers) -> None:
+        task = asyncio.ensure_future(self._run_everywhere(payload, workers, "return"))
+        task.add_done_callback(_log_background_failure)
+
+    async def _run_everywhere(self, payload: bytes, workers, on_error: str) -> dict:
+        addresses = await self._worker_addresses(workers)
+
+        async def one(address):
+            try:
+                reply = await self._peer_request(address, {"op": "run", "function": payload})
+            except OSError as exc:
+                return exc
+            return remote_run.unpack_reply(reply)
+
+        results = dict(zip(addresses, await asyncio.gather(*map(one, addresses))))
+        if on_error == "raise":
+            for value in results.values():
+                if isinstance(value, BaseException):
+                    raise value
+        return results
+
+    async def _worker_addresses(self, workers) -> list:
+        """The addresses of ``workers`` (addresses or names; None: every worker)."""
+        known = (await self._request("identity"))["workers"]
+        if workers is None:
+            return list(known)
+        if isinstance(workers, (str, int)):
+            workers = [workers]
+        by_name = {info.get("name"): address for address, info in known.items()}
+        addresses = []
+        for worker in workers:
+            address = worker if worker in known else by_name.get(worker)
+            if address is None:
+                raise ValueError(f"no worker {worker!r} (known: {sorted(known)})")
+            addresses.append(address)
+        return addresses
+
+    def nthreads(self, workers=None) -> dict:
+        """``{address: threads}`` of every worker (or of ``workers``)."""
+        return self._sync(self._nthreads, workers)
+
+    async def _nthreads(self, workers) -> dict:
+        known = (await self._request("identity"))["workers"]
+        wanted = await self._worker_addresses(workers) if workers is not None else known
+        return {address: known[address]["nthreads"] for address in wanted}
+
+    def has_what(self, workers=None) -> dict:
+        """``{address: [keys it holds]}`` for every worker (or for ``workers``)."""
+        return self._sync(self._has_what, workers)
+
+    async def _has_what(self, workers) -> dict:
+        addresses = await self._worker_addresses(workers) if workers is not None else None
+        return await self._request("has-what", workers=addresses)
 
     def who_has(self, futures=None):
         """``{key: [worker address]}`` for ``futures`` (default: every key held)."""
@@ -1437,6 +1520,12 @@ def _warn_silent(what: str, silent: dict) -> None:
         named = "; ".join(f"{address}: {reason}" for address, reason in sorted(silent.items()))
         warnings.warn(f"{what}: {len(silent)} worker(s) left out: {named}", RuntimeWarning,
                       stacklevel=4)
+
+
+def _refuse_actors(method: str, wanted: bool) -> None:
+    if wanted:
+        raise NotImplementedError(f"Client.{method}(actor=True): actors are not supported "
+                                  f"by distributed-core; submit plain tasks")
 
 
 def _keys_to_futures(keys, by_key: dict):

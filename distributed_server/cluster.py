@@ -1,9 +1,10 @@
 """LocalCluster: a scheduler and N workers on this machine, started and stopped together.
 
 With ``processes=True`` (the default) each is its own process, started with the same
-``dcore`` commands one would run by hand: ``dcore scheduler`` and one ``dcore worker
---nworkers N``, a nanny that supervises the N worker processes (it restarts a worker
-that dies or passes its memory limit, and restarts them all on `Client.restart`). With
+``dcore`` commands one would run by hand: ``dcore scheduler`` and, per worker, ``dcore
+worker``: a nanny that supervises its worker process (it restarts the worker when it
+dies or passes its memory limit, and on `Client.restart`). `LocalCluster.scale` starts
+or stops workers. With
 ``processes=False`` they share one background thread's event loop in this process (quick
 to start, handy in tests; no nanny, no memory limit, no restart). Closing the cluster,
 or the interpreter exiting, stops everything it started; on Linux the child processes
@@ -14,6 +15,7 @@ which they announce their addresses.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import queue
@@ -62,7 +64,11 @@ class LocalCluster:
         self.scheduler_address = ""
         self._procs: list = []
         self._loop_thread: _LoopThread | None = None
-        self._servers: list = []
+        self._servers: list = []  # the scheduler, with processes=False
+        self._workers: list = []  # nanny processes, or Worker objects (processes=False)
+        self._names = itertools.count()
+        self._host = host
+        self._log_level = log_level
         self._finalizer = weakref.finalize(self, _stop_processes, self._procs)
         try:
             if processes:
@@ -97,15 +103,29 @@ class LocalCluster:
             scheduler_cmd.append("--validate")
         scheduler = self._spawn(scheduler_cmd, keep="Scheduler at ")
         self.scheduler_address = _read_address(scheduler, "Scheduler at ", timeout)
-        if self.n_workers:
-            # One nanny for all the workers; names worker-0, worker-1, ... as before.
-            name = "worker" if self.n_workers > 1 else "worker-0"
-            self._spawn(command + ["worker", self.scheduler_address,
-                                   "--nworkers", str(self.n_workers),
-                                   "--nthreads", str(self.threads_per_worker),
-                                   "--name", name, "--memory-limit", str(self.memory_limit),
-                                   "--log-level", log_level],
-                        quiet=("Worker at ",))
+        self._log_level = log_level
+        for _ in range(self.n_workers):
+            self._add_worker()
+
+    def _add_worker(self) -> None:
+        """One more worker: a nanny process (``dcore worker``) and its worker, named
+        ``worker-<i>``; a worker on the loop thread with ``processes=False``."""
+        name = f"worker-{next(self._names)}"
+        if not self.processes:
+            from .worker import Worker
+
+            worker = Worker(self.scheduler_address, nthreads=self.threads_per_worker,
+                            name=name, host=self._host, security=self.security,
+                            memory_limit=0)  # one process for all: no per-worker limit
+            self._loop_thread.run(worker.start())
+            self._workers.append(worker)
+            return
+        command = [sys.executable, "-m", "distributed_server.cli"]
+        self._workers.append(self._spawn(
+            command + ["worker", self.scheduler_address, "--nthreads",
+                       str(self.threads_per_worker), "--name", name, "--memory-limit",
+                       str(self.memory_limit), "--log-level", self._log_level],
+            quiet=("Worker at ",)))
 
     def _spawn(self, cmd: list, keep: str | None = None, quiet: tuple = ()) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
@@ -132,7 +152,6 @@ class LocalCluster:
 
     def _start_in_thread(self, host, port, worker_saturation, validate):
         from .scheduler import Scheduler
-        from .worker import Worker
 
         self._loop_thread = _LoopThread()
         scheduler = self._loop_thread.run(Scheduler(
@@ -140,12 +159,42 @@ class LocalCluster:
             security=self.security).start())
         self._servers.append(scheduler)
         self.scheduler_address = scheduler.address
-        for i in range(self.n_workers):
-            worker = Worker(scheduler.address, nthreads=self.threads_per_worker,
-                            name=f"worker-{i}", host=host, security=self.security,
-                            memory_limit=0)  # one process for all: no per-worker limit
-            self._loop_thread.run(worker.start())
-            self._servers.append(worker)
+        for _ in range(self.n_workers):
+            self._add_worker()
+
+    # ------------------------------------------------------------------ scale
+
+    def scale(self, n: int, timeout: float = 30.0) -> None:
+        """Run ``n`` workers: start new ones, or stop the most recently started ones.
+
+        A stopped worker's results are lost; the scheduler recomputes those still
+        wanted on the other workers (there is no graceful retirement that moves data
+        first). ``memory_limit`` stays what it was per worker."""
+        if type(n) is not int or n < 0:
+            raise ValueError(f"scale needs a number of workers >= 0, got {n!r}")
+        while len(self._workers) < n:
+            self._add_worker()
+        leaving = []
+        while len(self._workers) > n:
+            leaving.append(self._workers.pop())
+        if self.processes:
+            for proc in leaving:
+                self._procs.remove(proc)
+            _stop_processes(leaving, timeout)
+        else:
+            for worker in leaving:
+                self._loop_thread.run(worker.close(), timeout=timeout)
+        self.n_workers = n
+        self._wait_for_exactly(n, timeout)
+
+    def _wait_for_exactly(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.scheduler_info()["workers"]) != n:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the scheduler does not list {n} workers after "
+                                   f"{timeout}s")
+            self._check_processes()
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ use
 
@@ -181,15 +230,17 @@ class LocalCluster:
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker and the scheduler; wait for the processes to exit."""
         if self._loop_thread is not None:
-            for server in reversed(self._servers):
+            for server in [*reversed(self._workers), *reversed(self._servers)]:
                 try:
                     self._loop_thread.run(server.close(), timeout=timeout)
                 except Exception:  # noqa: BLE001 - shutting down regardless
                     logger.exception("error closing %r", server)
             self._servers.clear()
+            self._workers.clear()
             self._loop_thread.stop()
             self._loop_thread = None
         _stop_processes(self._procs, timeout)
+        self._workers.clear()
         self._finalizer.detach()
 
 

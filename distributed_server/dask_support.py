@@ -124,31 +124,6 @@ def is_dask_collection(obj) -> bool:
     return not isinstance(obj, type) and callable(getattr(obj, "__dask_graph__", None))
 
 
-def futures_of(obj) -> list:
-    """The futures in ``obj``, each once, in the order found: a future itself, futures
-    nested in lists, tuples, sets and dict values, and the futures a dask collection's
-    graph holds (a persisted collection holds one per piece). Needs no dask."""
-    found: dict = {}
-    _collect_futures(obj, found)
-    return list(found.values())
-
-
-def _collect_futures(obj, found: dict) -> None:
-    if _is_future(obj):
-        found.setdefault(id(obj), obj)
-    elif type(obj) in (list, tuple, set, frozenset):
-        for item in obj:
-            _collect_futures(item, found)
-    elif type(obj) is dict:
-        for item in obj.values():
-            _collect_futures(item, found)
-    elif is_dask_collection(obj):
-        for node in obj.__dask_graph__().values():
-            node = getattr(node, "value", node) if type(node).__name__ == "DataNode" else node
-            if _is_future(node):
-                found.setdefault(id(node), node)
-
-
 # ---------------------------------------------------------------------------- materialize
 
 

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # annotations only: the client imports this module, never the
 __all__ = [
     "ALL_COMPLETED",
     "FIRST_COMPLETED",
+    "FIRST_EXCEPTION",
     "CancelledError",
     "DoneAndNotDoneFutures",
     "Future",
@@ -57,6 +58,7 @@ __all__ = [
     "TaskFailedError",
     "as_completed",
     "default_client",
+    "futures_of",
     "wait",
 ]
 
@@ -65,6 +67,7 @@ CancelledError = concurrent.futures.CancelledError
 
 ALL_COMPLETED = "ALL_COMPLETED"
 FIRST_COMPLETED = "FIRST_COMPLETED"
+FIRST_EXCEPTION = "FIRST_EXCEPTION"
 
 # Key statuses (Future.status)
 PENDING = "pending"
@@ -234,6 +237,10 @@ class Future:
         """Whether the key is finished, erred or cancelled."""
         return self._state.status != PENDING
 
+    def cancelled(self) -> bool:
+        """Whether the key was cancelled."""
+        return self._state.status == CANCELLED
+
     def result(self, timeout: float | None = None):
         """The result; raises the task's exception (remote traceback as its cause),
         `CancelledError` if cancelled, ``TimeoutError`` after ``timeout`` seconds."""
@@ -345,19 +352,41 @@ class DoneAndNotDoneFutures(NamedTuple):
 
 
 def wait(futures, timeout: float | None = None, return_when: str = ALL_COMPLETED):
-    """Wait until all (or, with FIRST_COMPLETED, any) of ``futures`` are done.
+    """Wait until all of ``futures`` are done; with FIRST_COMPLETED until any is, with
+    FIRST_EXCEPTION until all are or one failed (erred or was cancelled).
 
     Returns ``(done, not_done)`` sets; raises ``TimeoutError`` after ``timeout`` seconds.
     All futures must belong to one client; with an async client this returns an awaitable.
     """
-    if return_when not in (ALL_COMPLETED, FIRST_COMPLETED):
-        raise ValueError(f"return_when must be ALL_COMPLETED or FIRST_COMPLETED, "
-                         f"not {return_when!r}")
+    if return_when not in (ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION):
+        raise ValueError(f"return_when must be ALL_COMPLETED, FIRST_COMPLETED or "
+                         f"FIRST_EXCEPTION, not {return_when!r}")
     futures = _futures_in(futures)
     client = _client_of(futures)
     if client is None:
         return DoneAndNotDoneFutures(set(), set())
     return client._sync(client._wait, futures, timeout, return_when)
+
+
+def futures_of(obj) -> list[Future]:
+    """The futures inside ``obj``, once each, in order: a future, lists, tuples, sets and
+    dicts of them (nested), and dask collections whose graphs hold futures (persisted
+    ones)."""
+    found: dict = {}
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, Future):
+            found[id(item)] = item
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo.extend(reversed(list(item)))
+        elif isinstance(item, dict):
+            todo.extend(reversed(list(item.values())))
+        elif hasattr(item, "__dask_graph__"):
+            graph = item.__dask_graph__()
+            if graph is not None:
+                todo.extend(reversed(list(graph.values())))
+    return list(found.values())
 
 
 def _client_of(futures: list[Future]) -> Client | None:
@@ -383,6 +412,7 @@ class as_completed:
         self._cond = threading.Condition()
         self._ready: collections.deque = collections.deque()
         self._pending = 0
+        self._generation = 0  # clear() starts a new one: older callbacks are ignored
         self._client: Client | None = None
         self._wakeup: asyncio.Future | None = None
         self.update(futures)
@@ -402,15 +432,62 @@ class as_completed:
                 raise ValueError("these futures belong to another client")
             self._client = client
             self._pending += len(futures)
-        client._add_done_callbacks(futures, self._on_done)
+            generation = self._generation
+        client._add_done_callbacks(futures, lambda f: self._on_done(f, generation))
 
     def count(self) -> int:
         """How many futures are still to be yielded."""
         with self._cond:
             return self._pending + len(self._ready)
 
-    def _on_done(self, future: Future) -> None:
+    def is_empty(self) -> bool:
+        """Whether every future was yielded (or cleared)."""
+        return self.count() == 0
+
+    def clear(self) -> None:
+        """Forget every future not yet yielded: iteration ends."""
         with self._cond:
+            self._ready.clear()
+            self._generation += 1
+            self._pending = 0
+            self._cond.notify_all()
+            wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.get_loop().call_soon_threadsafe(_resolve, wakeup)
+
+    def next_batch(self, block: bool = True) -> list:
+        """Every future done so far, at least one if ``block`` (an empty list if none is
+        left). With ``with_results``, ``(future, result)`` pairs."""
+        with self._cond:
+            while block and not self._ready and self._pending:
+                self._cond.wait()
+            batch = list(self._ready)
+            self._ready.clear()
+        return [self._with_result(future) for future in batch]
+
+    def batches(self):
+        """Iterate over lists of futures as they finish: each list holds every future
+        done since the last one."""
+        while True:
+            batch = self.next_batch(block=True)
+            if not batch:
+                return
+            yield batch
+
+    def _with_result(self, future: Future):
+        if not self.with_results:
+            return future
+        try:
+            return future, future.result()
+        except Exception as e:
+            if self.raise_errors:
+                raise
+            return future, e
+
+    def _on_done(self, future: Future, generation: int) -> None:
+        with self._cond:
+            if generation != self._generation:  # cleared before it was done
+                return
             self._pending -= 1
             self._ready.append(future)
             self._cond.notify_all()
@@ -431,14 +508,7 @@ class as_completed:
                     raise StopIteration
                 self._cond.wait()
             future = self._ready.popleft()
-        if not self.with_results:
-            return future
-        try:
-            return future, future.result()
-        except Exception as e:
-            if self.raise_errors:
-                raise
-            return future, e
+        return self._with_result(future)
 
     def __aiter__(self):
         return self

@@ -21,8 +21,7 @@ import asyncio
 import threading
 import time
 
-from .dask_support import futures_of
-from .futures import FINISHED
+from .futures import FINISHED, futures_of
 
 __all__ = ["progress"]
 

@@ -127,6 +127,7 @@ class Scheduler:
             "cancel": self._cancel,
             "retry": self._retry,
             "who-has": self._who_has,
+            "has-what": self._has_what,
             "identity": self._identity,
             "heartbeat": self._client_heartbeat,
             "restart": self._restart,
@@ -647,6 +648,18 @@ class Scheduler:
 
     def _who_has(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.state.who_has(_keys(msg)))
+
+    def _has_what(self, client_id: str, msg: dict) -> None:
+        workers = msg.get("workers")
+        if workers is None:
+            workers = list(self.state.workers)
+        _require(type(workers) in (list, tuple) and all(type(w) is str for w in workers),
+                 "has-what: workers must be a list of addresses")
+        result = {}
+        for address in workers:
+            ws = self.state.workers.get(address)
+            result[address] = [ts.key for ts in ws.has_what] if ws is not None else []
+        self._reply(client_id, msg, result)
 
     def _identity(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.identity())

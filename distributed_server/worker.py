@@ -100,6 +100,7 @@ from .memory import (
     check_fractions,
 )
 from .nanny import MEMORY_LIMIT_ENV
+from .remote_run import run_packed_call
 from .security import Security, check_listen_security
 from .serialize import (
     dumps_data,
@@ -223,6 +224,7 @@ class Worker:
             raise ValueError(f"scheduler_timeout must be positive, got {scheduler_timeout!r}")
         self.scheduler_timeout = scheduler_timeout
         self._last_heard = 0.0  # loop time of the scheduler's last frame
+        self._last_tick = 0.0  # loop time of the last heartbeat
         self.connect_timeout = connect_timeout
         self.transfer_timeout = transfer_timeout
         self.transfer_part_bytes = transfer_part_bytes
@@ -494,7 +496,7 @@ class Worker:
         if role != "scheduler":
             logger.warning("%s answered with role %r, not 'scheduler'", comm.peer_address, role)
         self._scheduler_comm = comm
-        self._last_heard = self._loop.time()
+        self._last_heard = self._last_tick = self._loop.time()
 
     async def _read_scheduler(self) -> None:
         """Read the scheduler's batches until told to close or the scheduler is gone."""
@@ -626,7 +628,13 @@ class Worker:
                 pass
 
     def _heartbeat(self) -> None:
-        silent = self._loop.time() - self._last_heard
+        now = self._loop.time()
+        if now - self._last_tick > 2 * self.heartbeat_interval + 1.0:
+            # This loop was not running (a task held the GIL, the process was stopped):
+            # the scheduler's answers may be waiting unread. Silence counts from now.
+            self._last_heard = max(self._last_heard, now)
+        self._last_tick = now
+        silent = now - self._last_heard
         comm = self._scheduler_comm
         if silent > self.scheduler_timeout and comm is not None and not comm.closed:
             # A stopped scheduler (a hung machine) keeps its connections open: only its
@@ -824,6 +832,9 @@ class Worker:
                 msgs = await comm.read()  # an idle connection may wait: the peer pools it
                 replies, parts = [], []
                 for msg in msgs:
+                    if msg.get("op") == "run":
+                        replies.append(await self._run_function(comm, msg))
+                        continue
                     reply, more = self._answer(comm, msg)
                     replies.append(reply)
                     parts.extend(more)
@@ -862,6 +873,15 @@ class Worker:
         if op == "ping":
             return {"op": "pong"}, ()
         raise _BadRequest(f"unknown operation {op!r}")
+
+    async def _run_function(self, comm: Comm, msg: dict) -> dict:
+        """``Client.run``: call the client's function here (remote_run.py)."""
+        if comm.extra.get("role") != "client":
+            raise _BadRequest(f"run from a {comm.extra.get('role')!r} connection")
+        payload = msg.get("function")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise _BadRequest("run needs the pickled function")
+        return await run_packed_call(payload, self)
 
     def _get_data(self, msg: dict) -> tuple:
         """The answer to get-data: ``({"op": "data", "data", "missing", ...}, parts)``.

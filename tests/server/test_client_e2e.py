@@ -17,9 +17,11 @@ import pytest
 from server_helpers import wait_until_no_tasks, workers_of
 
 from distributed_server.client import (
+    FIRST_EXCEPTION,
     CancelledError,
     Client,
     as_completed,
+    futures_of,
     wait,
 )
 from distributed_server.cluster import LocalCluster
@@ -170,6 +172,88 @@ def test_as_completed(client):
     assert sorted(seen) == [0.0, 0.2, 0.4] and seen[0] != 0.4
     results = [r for _, r in as_completed(client.map(inc, range(5)), with_results=True)]
     assert sorted(results) == [1, 2, 3, 4, 5]
+
+
+def test_as_completed_in_batches_and_cleared(client):
+    futures = client.map(inc, range(20))
+    ac = as_completed(futures)
+    batches = list(ac.batches())
+    assert sorted(f.result() for batch in batches for f in batch) == list(range(1, 21))
+    assert ac.is_empty() and ac.next_batch(block=False) == []
+    slow_ones = [client.submit(slow, 5, pure=False) for _ in range(2)]
+    ac = as_completed(slow_ones, with_results=True)
+    assert not ac.is_empty() and ac.next_batch(block=False) == []
+    ac.clear()
+    assert ac.is_empty() and list(ac) == []
+    ac.add(client.submit(inc, 41))
+    assert [r for _, r in ac] == [42]
+    client.cancel(slow_ones)
+
+
+def test_wait_first_exception_returns_at_the_first_failure(client):
+    slow_one = client.submit(slow, 30, pure=False)
+    failing = client.submit(boom, 1)
+    done, not_done = wait([slow_one, failing], timeout=20, return_when=FIRST_EXCEPTION)
+    assert done == {failing} and not_done == {slow_one}
+    slow_one.cancel()
+    wait([slow_one], timeout=20)
+    assert slow_one.cancelled() and not failing.cancelled()
+    with pytest.raises(ValueError, match="return_when"):
+        wait([failing], return_when="SOMETIMES")
+
+
+def test_futures_of_finds_futures_in_containers_and_collections(client):
+    a, b = client.map(inc, [1, 2])
+    assert futures_of([a, (b, {"x": a}), {b}]) == [a, b]
+    da = pytest.importorskip("dask.array")
+    x = client.persist(da.ones(10, chunks=5))
+    assert len(futures_of(x)) == 2 and all(f.result().shape == (5,) for f in futures_of(x))
+
+
+def test_dask_submit_keywords_are_not_passed_to_the_function(client):
+    assert client.submit(inc, 1, fifo_timeout="100 ms").result() == 2
+    assert client.gather(client.map(inc, [1, 2], fifo_timeout=0)) == [2, 3]
+    for call in (lambda: client.submit(inc, 1, actor=True),
+                 lambda: client.map(inc, [1], actors=True)):
+        with pytest.raises(NotImplementedError, match="actors are not supported"):
+            call()
+
+
+def pid_and(x, dask_worker=None):
+    import os
+    return os.getpid(), x, dask_worker.address
+
+
+async def async_double(x):
+    return 2 * x
+
+
+def test_run_calls_a_function_once_in_every_worker_process(client):
+    workers = workers_of(client)
+    results = client.run(pid_and, 7)
+    assert set(results) == set(workers)
+    assert len({pid for pid, _, _ in results.values()}) == len(workers)
+    assert all(x == 7 and address == w for w, (_, x, address) in results.items())
+    assert client.run(async_double, 4, workers=[workers[0]]) == {workers[0]: 8}
+    with pytest.raises(ZeroDivisionError, match="boom 3"):
+        client.run(boom, 3)
+    errors = client.run(boom, 3, on_error="return")
+    assert all(isinstance(e, ZeroDivisionError) for e in errors.values())
+    with pytest.raises(ValueError, match="no worker"):
+        client.run(inc, 1, workers=["nobody"])
+    assert client.run(inc, 1, wait=False) is None
+
+
+def test_nthreads_and_has_what(client):
+    workers = workers_of(client)
+    assert client.nthreads() == dict.fromkeys(workers, 1)
+    futures = client.map(span, [10_000, 10_001])  # large: they stay on their workers
+    wait(futures)
+    held = client.has_what()
+    assert set(held) == set(workers)
+    assert sorted(k for keys in held.values() for k in keys) == sorted(f.key for f in futures)
+    one = workers[0]
+    assert client.has_what([one]) == {one: held[one]}
 
 
 def test_async_client(cluster):

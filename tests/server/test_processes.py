@@ -143,9 +143,30 @@ def test_client_process_dying_midgraph_releases_its_tasks_and_others_are_served(
 def test_closing_a_local_cluster_leaves_no_processes():
     cluster = LocalCluster(n_workers=2, threads_per_worker=1)
     pids = [proc.pid for proc in cluster._procs] + [p.pid for p in cluster.worker_processes()]
-    assert len(pids) == 4  # the scheduler, the nanny, two workers
+    assert len(pids) == 5  # the scheduler, a nanny per worker, two workers
     cluster.close()
     assert _gone(pids)
+
+
+@pytest.mark.parametrize("processes", [True, False])
+def test_a_local_cluster_scales_up_and_down_and_keeps_computing(processes):
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=processes) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        assert client.cluster is cluster
+        held = client.submit(slow_square, 6)
+        assert held.result(timeout=30) == 36
+        cluster.scale(3)
+        names = sorted(w["name"] for w in client.scheduler_info()["workers"].values())
+        assert names == ["worker-0", "worker-1", "worker-2"]
+        assert tree_sum(client, 30).result(timeout=60) == sum(i * i for i in range(30))
+        if processes:
+            assert len(cluster.worker_processes()) == 3
+        client.cluster.scale(1)
+        assert [w["name"] for w in client.scheduler_info()["workers"].values()] == ["worker-0"]
+        assert held.result(timeout=30) == 36  # held by worker-0, which stayed
+        assert tree_sum(client, 10).result(timeout=60) == sum(i * i for i in range(10))
+        with pytest.raises(ValueError, match="number of workers"):
+            cluster.scale(-1)
 
 
 def test_cluster_processes_die_with_a_killed_parent():
@@ -159,7 +180,7 @@ def test_cluster_processes_die_with_a_killed_parent():
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                               text=True)
     pids = [int(p) for p in parent.stdout.readline().split()]
-    assert len(pids) == 4  # the scheduler, the nanny, two workers
+    assert len(pids) == 5  # the scheduler, a nanny per worker, two workers
     parent.kill()
     parent.wait()
     if not sys.platform.startswith("linux"):

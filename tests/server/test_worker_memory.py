@@ -197,3 +197,37 @@ def _holding(client, worker, nbytes):
     if not nbytes and info["spilled"] == 0:
         return info
     return None
+
+
+def test_a_dask_array_three_times_the_cluster_memory_persists_and_reduces(tmp_path):
+    """Two workers limited to 200 MiB each persist a 1.2 GiB dask.array (150 chunks of
+    8 MiB), then reduce it: the answer is exact, both spilled, neither was killed."""
+    da = pytest.importorskip("dask.array")
+    limit, n, chunk = 200 * MiB, 150 * 2**20, 2**20  # float64: 8 MiB chunks
+    processes = Processes(tmp_path)
+    try:
+        nanny = processes.nanny("--nworkers", "2", "--memory-limit", str(limit),
+                                "--local-directory", str(tmp_path))
+        with Client(processes.address, security=processes.security,
+                    set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=30)
+            before = set(client.scheduler_info()["workers"])
+            pids = sorted(p.pid for p in wait_for(lambda: len(children(nanny)) == 2
+                                                  and children(nanny)))
+            x = client.persist(da.arange(n, chunks=chunk, dtype="float64"))
+            total = client.compute(x.sum()).result(timeout=100)
+            assert total == n * (n - 1) / 2
+            def held():  # once heartbeats tell of every chunk
+                infos = client.scheduler_info()["workers"].values()
+                if any(i["spilled"] is None for i in infos):
+                    return None
+                return sum(i["managed"] + i["spilled"] for i in infos) >= n * 8 and infos
+            infos = wait_for(held)
+            assert all(i["spilled"] > 0 for i in infos), infos
+            assert set(client.scheduler_info()["workers"]) == before
+            assert sorted(p.pid for p in children(nanny)) == pids
+            del x
+        assert "killed for its memory" not in processes.log("nanny.log")
+    finally:
+        processes.close()
+    processes.assert_no_errors()
