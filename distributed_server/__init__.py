@@ -18,6 +18,7 @@ from .client import (
 )
 from .cluster import LocalCluster
 from .introspection import StoryEntry, WorkerSilent
+from .performance_report import performance_report
 from .progress import progress
 from .scheduler import Scheduler
 from .security import Security, SecurityError
@@ -27,5 +28,5 @@ __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
     "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
     "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed", "futures_of",
-    "progress", "wait",
+    "performance_report", "progress", "wait",
 ]

@@ -55,9 +55,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import functools
 import itertools
 import logging
+import math
 import pickle
 import random
 import threading
@@ -1504,6 +1506,26 @@ class Client:
             answers[address] = WorkerSilent(f"worker {address} did not answer: {reason}")
         return dict(sorted(answers.items()))
 
+    def get_task_stream(self, start=None, stop=None):
+        """The tasks that ran (finished or failed) at some time between ``start`` and
+        ``stop``: seconds since the epoch (``time.time()``) or datetimes, None for no
+        bound. A list of ``{"key", "worker", "start", "stop", "status"}`` ("memory" or
+        "erred"), oldest report first. The scheduler remembers its last 100,000 tasks;
+        times are the clocks of the workers that ran them."""
+        start, stop = _time_bound(start, "start"), _time_bound(stop, "stop")
+        if start is not None and stop is not None and start > stop:
+            raise ValueError(f"start ({start}) is after stop ({stop})")
+        return self._sync(self._get_task_stream, start, stop)
+
+    async def _get_task_stream(self, start, stop) -> list:
+        return (await self._task_stream_and_counters(start, stop))["tasks"]
+
+    async def _task_stream_and_counters(self, start, stop) -> dict:
+        """``{"tasks": [...], "counters": {...}}`` (`Scheduler.counters`)."""
+        result = await self._request("task-stream", start=start, stop=stop)
+        return {"tasks": [dict(task) for task in result["tasks"]],
+                "counters": dict(result["counters"])}
+
     async def _wait_for_workers(self, n_workers: int, timeout: float | None) -> None:
         async def poll():
             while len((await self._request("identity"))["workers"]) < n_workers:
@@ -1513,6 +1535,18 @@ class Client:
             await asyncio.wait_for(poll(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"fewer than {n_workers} workers after {timeout}s") from None
+
+
+def _time_bound(value, name: str) -> float | None:
+    """A task stream bound: None, a number of seconds since the epoch, or a datetime."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    if type(value) in (int, float) and math.isfinite(value):
+        return float(value)
+    raise TypeError(f"{name} must be None, seconds since the epoch or a datetime, not "
+                    f"{value!r:.100}")
 
 
 def _warn_silent(what: str, silent: dict) -> None:

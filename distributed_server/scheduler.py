@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
@@ -34,6 +35,7 @@ from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __versio
 from . import introspection, logs
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
 from .security import Security, check_listen_security
+from .task_stream import TaskStream
 
 logger = logging.getLogger("distributed_server.scheduler")
 
@@ -115,6 +117,8 @@ class Scheduler:
         self._restarting = False
         self._background: set = set()
         self._worker_requests = introspection.WorkerRequests()  # story, logs
+        #: which worker ran which task when (task_stream.py), from the workers' reports
+        self.task_stream = TaskStream()
         self._listener = None
         self._ttl_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -134,6 +138,7 @@ class Scheduler:
             "story": self._story,
             "scheduler-logs": self._scheduler_logs,
             "worker-logs": self._worker_logs,
+            "task-stream": self._task_stream,
         }
 
     def __repr__(self):
@@ -373,6 +378,12 @@ class Scheduler:
         self._flush_reports(address, finished, erred)
 
     def _flush_reports(self, address: str, finished: list, erred: list) -> None:
+        record = self.task_stream.record
+        for report in finished:
+            record(report.get("key"), address, report.get("start"), report.get("stop"))
+        for report in erred:
+            record(report.get("key"), address, report.get("start"), report.get("stop"),
+                   "erred")
         if finished:
             self._stimulus(address, "task-finished", self.state.task_finished, address,
                            finished)
@@ -632,6 +643,29 @@ class Scheduler:
             except ValueError as exc:
                 silent[address] = f"a malformed answer: {exc}"
         self._reply(client_id, {"reqid": reqid}, {"logs": lines, "silent": silent})
+
+    def _task_stream(self, client_id: str, msg: dict) -> None:
+        """``task-stream {start, stop, reqid}``: the tasks that ran between the two times
+        (None: unbounded), and the scheduler's counters now (`counters`)."""
+        bounds = msg.get("start"), msg.get("stop")
+        if not all(b is None or (type(b) in (int, float) and math.isfinite(b))
+                   for b in bounds):
+            self._reply_failure(client_id, msg.get("reqid"), f"task-stream: start and stop "
+                                f"must be None or numbers, not {bounded_repr(bounds, 100)}")
+            return
+        self._reply(client_id, msg, {"tasks": self.task_stream.window(*bounds),
+                                     "counters": self.counters()})
+
+    def counters(self) -> dict:
+        """The scheduler's running totals, without a walk over tasks: its clock, tasks
+        held, transitions so far, tasks the task stream recorded, workers and threads."""
+        workers = self.state.workers
+        return {"time": time.time(), "tasks": len(self.state.tasks),
+                "transitions": self.state.transition_counter,
+                "tasks_recorded": self.task_stream.recorded, "workers": len(workers),
+                "threads": sum(ws.nthreads for ws in workers.values()),
+                "clients": len(self.client_comms), "compiled": COMPILED,
+                "version": __version__}
 
     def _in_background(self, coro) -> None:
         """Run ``coro`` as a task the scheduler keeps until it is done; a failure is a bug
