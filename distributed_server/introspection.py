@@ -109,7 +109,10 @@ class WorkerRequests:
 
     def answer(self, address: str, msg: dict) -> None:
         """A worker's ``reply {reqid, result | error}``; one nobody waits for is dropped."""
-        future = self._pending.pop((address, msg.get("reqid")), None)
+        reqid = msg.get("reqid")
+        if type(reqid) is not int:
+            return
+        future = self._pending.pop((address, reqid), None)
         if future is None or future.done():
             return
         if "error" in msg:
