@@ -13,6 +13,7 @@ from .client import (
     Client,
     Future,
     as_completed,
+    fire_and_forget,
     futures_of,
     wait,
 )
@@ -27,6 +28,6 @@ from .worker import Worker
 __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
     "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
-    "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed", "futures_of",
-    "performance_report", "progress", "wait",
+    "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed", "fire_and_forget",
+    "futures_of", "performance_report", "progress", "wait",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -32,7 +33,7 @@ import sys
 
 import distributed_core
 
-from . import logs
+from . import config, logs
 from .comm import parse_address
 from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
 from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
@@ -43,6 +44,7 @@ from .security import (
     new_token,
     write_tls_files,
 )
+from .startup import Preload, close_after, read_scheduler_file, write_scheduler_file
 from .worker import SCHEDULER_TIMEOUT
 
 
@@ -58,11 +60,13 @@ def main(argv: list | None = None) -> int:
     logs.configure(_role_of(args), getattr(args, "log_level", "INFO"))
     if args.command in ("scheduler", "worker"):
         try:
-            if args.command == "worker" and args.host is None:
-                args.host = _listen_host_for(args.address)
+            if args.command == "worker":
+                _resolve_worker_addresses(args)
             args.security = _security_from(args)
             check_listen_security(args.host, args.security, args.insecure, args.command)
-        except (SecurityError, ValueError) as e:
+            preload_here = args.command == "scheduler" or args.no_nanny
+            args.preloads = [Preload(n) for n in args.preload] if preload_here else []
+        except (SecurityError, ValueError, TimeoutError, ImportError, OSError) as e:
             print(f"dcore {args.command}: {e}", file=sys.stderr)
             return 2
         _raise_fd_limit()
@@ -108,20 +112,50 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--host", default="127.0.0.1",
                            help="interface to listen on (0.0.0.0 for every interface)")
     scheduler.add_argument("--port", type=int, default=8786)
-    scheduler.add_argument("--worker-ttl", type=float, default=300.0,
-                           help="seconds of silence after which a worker is removed")
-    scheduler.add_argument("--worker-saturation", type=float, default=1.1,
-                           help="tasks per thread before root tasks queue (inf: no queue)")
+    scheduler.add_argument("--worker-ttl", type=float, default=None,
+                           help="seconds of silence after which a worker is removed "
+                                "(default: configuration, else 300)")
+    scheduler.add_argument("--worker-saturation", type=float, default=None,
+                           help="tasks per thread before root tasks queue (inf: no queue; "
+                                "default: configuration, else 1.1)")
     scheduler.add_argument("--validate", action="store_true",
                            help="check every invariant after each stimulus (slow)")
-    scheduler.add_argument("--client-idle-timeout", type=float, default=300.0,
-                           help="seconds of silence after which a client is disconnected")
+    scheduler.add_argument("--client-idle-timeout", type=float, default=None,
+                           help="seconds of silence after which a client is disconnected "
+                                "(default: configuration, else 300)")
+    scheduler.add_argument("--scheduler-file", default=None,
+                           help="write the scheduler's address to this JSON file (for "
+                                "workers and clients started with the same path)")
+    scheduler.add_argument("--preload", action="append", default=[],
+                           help="a module or .py file to import at start; its "
+                                "dcore_setup(scheduler) runs once the scheduler listens")
     scheduler.add_argument("--log-level", default="INFO", type=_log_level,
                            help="CRITICAL, ERROR, WARNING, INFO (default) or DEBUG")
     _add_security_flags(scheduler)
 
     worker = commands.add_parser("worker", help="run a worker")
-    worker.add_argument("address", help="the scheduler, e.g. tcp://10.0.0.5:8786")
+    worker.add_argument("address", nargs="?", default=None,
+                        help="the scheduler, e.g. tcp://10.0.0.5:8786 (or --scheduler-file)")
+    worker.add_argument("--scheduler-file", default=None,
+                        help="read the scheduler's address from this file (waits for it "
+                             "up to --death-timeout)")
+    worker.add_argument("--listen-address", default=None,
+                        help="where to listen for peers, e.g. tcp://0.0.0.0:9000 (instead "
+                             "of --host/--port)")
+    worker.add_argument("--contact-address", default=None,
+                        help="the address other processes reach this worker at, when it "
+                             "differs from where it listens (containers, NAT)")
+    worker.add_argument("--death-timeout", type=float, default=None,
+                        help="seconds to wait for the scheduler at start (and to find it "
+                             "again once lost) before exiting")
+    worker.add_argument("--lifetime", type=float, default=None,
+                        help="close the worker after this many seconds (its data is then "
+                             "recomputed elsewhere if still wanted)")
+    worker.add_argument("--lifetime-restart", action="store_true",
+                        help="with --lifetime: the nanny starts a fresh worker")
+    worker.add_argument("--preload", action="append", default=[],
+                        help="a module or .py file to import at start; its "
+                             "dcore_setup(worker) runs once the worker is registered")
     worker.add_argument("--nthreads", type=int, default=1)
     worker.add_argument("--name", default=None)
     worker.add_argument("--resources", default="", type=_resources,
@@ -140,22 +174,23 @@ def _parser() -> argparse.ArgumentParser:
                              "machine's memory divided by --nworkers; the default) or 0 "
                              "(none). The nanny restarts a worker past "
                              "--memory-terminate-fraction of it")
-    worker.add_argument("--memory-terminate-fraction", type=float, default=TERMINATE_FRACTION,
+    worker.add_argument("--memory-terminate-fraction", type=_fraction, default=None,
                         help="fraction of the memory limit past which the nanny kills and "
-                             "restarts a worker (default %(default)s; 0: never)")
+                             f"restarts a worker (default: configuration, else "
+                             f"{TERMINATE_FRACTION}; 0: never)")
     for step, default, what in (
             ("target", TARGET_FRACTION, "results held in memory (by their sizes) past which "
                                         "the least recently used spill to disk"),
             ("spill", SPILL_FRACTION, "process memory past which results spill until it "
                                       "is back under the target"),
             ("pause", PAUSE_FRACTION, "process memory past which no new task starts")):
-        worker.add_argument(f"--memory-{step}-fraction", type=_fraction, default=default,
-                            help=f"fraction of the memory limit: {what} (default "
-                                 f"%(default)s; 0: off)")
-    worker.add_argument("--scheduler-timeout", type=float, default=SCHEDULER_TIMEOUT,
+        worker.add_argument(f"--memory-{step}-fraction", type=_fraction, default=None,
+                            help=f"fraction of the memory limit: {what} (default: "
+                                 f"configuration, else {default}; 0: off)")
+    worker.add_argument("--scheduler-timeout", type=float, default=None,
                         help="seconds without a word from the scheduler after which the "
-                             "worker drops its data and registers again (default "
-                             "%(default)s)")
+                             "worker drops its data and registers again (default: "
+                             f"configuration, else {SCHEDULER_TIMEOUT})")
     worker.add_argument("--reconnect-timeout", type=float, default=10.0,
                         help="seconds a worker that lost the scheduler tries to register "
                              "again before it exits (default %(default)s)")
@@ -232,6 +267,11 @@ def _log_level(text: str) -> str:
     return text.strip().upper()
 
 
+def _off_if_zero(fraction: float | None):
+    """A fraction flag: None (unset: configuration decides), 0 (off: False), or itself."""
+    return False if fraction == 0 else fraction
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -265,8 +305,6 @@ def _worker_memory_limit(args) -> int:
     elif args.nworkers > 1 and args.port:
         raise ValueError(f"--port {args.port} cannot serve {args.nworkers} workers "
                          "(leave it out: each worker picks a free port)")
-    if not 0 <= args.memory_terminate_fraction <= 1:
-        raise ValueError("--memory-terminate-fraction must be from 0 to 1")
     return parse_memory_limit(args.memory_limit, args.nworkers)
 
 
@@ -320,31 +358,77 @@ async def _run_scheduler(args) -> int:
                           validate=args.validate, worker_saturation=args.worker_saturation,
                           security=args.security, insecure=args.insecure,
                           client_idle_timeout=args.client_idle_timeout)
+    preloads = args.preloads
     await scheduler.start()
     _tune_gc_for_a_server()
+    for preload in preloads:
+        await preload.setup(scheduler)
+    if args.scheduler_file:
+        write_scheduler_file(args.scheduler_file, scheduler.address)
     kind = "compiled" if distributed_core.COMPILED else "interpreted"
     print(f"Scheduler at {scheduler.address} (distributed-core "
           f"{distributed_core.__version__}, core {kind})", flush=True)
-    await _serve_until_signal(scheduler)
+    try:
+        await _serve_until_signal(scheduler)
+    finally:
+        if args.scheduler_file:
+            with contextlib.suppress(OSError):
+                os.remove(args.scheduler_file)
+    for preload in preloads:
+        await preload.teardown(scheduler)
     return 0
 
 
+def _resolve_worker_addresses(args) -> None:
+    """The scheduler's address (given, or from --scheduler-file) and where to listen
+    (--listen-address, else --host/--port, else the interface that reaches the
+    scheduler). ValueError or TimeoutError with a one-line reason."""
+    if args.address is None:
+        if args.scheduler_file is None:
+            raise ValueError("give the scheduler's address or --scheduler-file")
+        args.address = read_scheduler_file(args.scheduler_file,
+                                           timeout=args.death_timeout or 60.0)
+    if args.listen_address is not None:
+        _, args.host, args.port = parse_address(args.listen_address)
+    if args.host is None:
+        args.host = _listen_host_for(args.address)
+    if args.contact_address is not None:
+        parse_address(args.contact_address)  # ValueError if malformed
+        if args.nworkers > 1 and not args.no_nanny:
+            raise ValueError("--contact-address names one worker: use it with "
+                             "--nworkers 1")
+
+
 async def _run_worker(args) -> int:
+    from .nanny import LIFETIME_EXIT_CODE
     from .worker import Worker
+
+    preloads = args.preloads
 
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,
                     resources=args.resources or None, host=args.host, port=args.port,
                     security=args.security, insecure=args.insecure,
-                    memory_target_fraction=args.memory_target_fraction or None,
-                    memory_spill_fraction=args.memory_spill_fraction or None,
-                    memory_pause_fraction=args.memory_pause_fraction or None,
+                    memory_target_fraction=_off_if_zero(args.memory_target_fraction),
+                    memory_spill_fraction=_off_if_zero(args.memory_spill_fraction),
+                    memory_pause_fraction=_off_if_zero(args.memory_pause_fraction),
                     local_directory=args.local_directory,
                     scheduler_timeout=args.scheduler_timeout,
-                    reconnect_timeout=args.reconnect_timeout)
+                    reconnect_timeout=args.death_timeout or args.reconnect_timeout,
+                    connect_timeout=args.death_timeout or 10.0,
+                    contact_address=args.contact_address)
     await worker.start()
     print(f"Worker at {worker.address} connected to {args.address}", flush=True)
     _tell_nanny(worker.address)
+    for preload in preloads:
+        await preload.setup(worker)
+    lifetime = None
+    if args.lifetime:
+        lifetime = asyncio.get_running_loop().create_task(close_after(worker, args.lifetime))
     await _serve_until_signal(worker)
+    for preload in preloads:
+        await preload.teardown(worker)
+    if lifetime is not None and lifetime.done() and args.lifetime_restart:
+        return LIFETIME_EXIT_CODE
     return 0
 
 
@@ -375,13 +459,21 @@ async def _run_nanny(args, memory_limit: int) -> int:
                                  args.resources.items())]
     if args.insecure:
         worker_args.append("--insecure")
-    for step in ("target", "spill", "pause"):
-        worker_args += [f"--memory-{step}-fraction",
-                        repr(getattr(args, f"memory_{step}_fraction"))]
+    for step in ("target", "spill", "pause"):  # unset: the worker reads configuration
+        value = getattr(args, f"memory_{step}_fraction")
+        if value is not None:
+            worker_args += [f"--memory-{step}-fraction", repr(value)]
     if args.local_directory:
         worker_args += ["--local-directory", args.local_directory]
-    worker_args += ["--scheduler-timeout", repr(args.scheduler_timeout),
-                    "--reconnect-timeout", repr(args.reconnect_timeout)]
+    worker_args += ["--reconnect-timeout", repr(args.reconnect_timeout)]
+    for flag in ("contact_address", "death_timeout", "lifetime", "scheduler_timeout"):
+        value = getattr(args, flag)
+        if value is not None:
+            worker_args += ["--" + flag.replace("_", "-"), str(value)]
+    if args.lifetime_restart:
+        worker_args.append("--lifetime-restart")
+    for name in args.preload:
+        worker_args += ["--preload", name]
     if args.name is None:
         names = [None] * args.nworkers
     elif args.nworkers == 1:
@@ -390,7 +482,8 @@ async def _run_nanny(args, memory_limit: int) -> int:
         names = [f"{args.name}-{i}" for i in range(args.nworkers)]
     nanny = Nanny(args.address, args.nworkers, worker_args=worker_args, names=names,
                   memory_limit=memory_limit,
-                  terminate_fraction=args.memory_terminate_fraction or None,
+                  terminate_fraction=config.get("worker.memory.terminate",
+                                                args.memory_terminate_fraction),
                   security=args.security)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -60,6 +60,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import pickle
 import random
 import threading
@@ -70,6 +71,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 from . import dask_support, logs, remote_run
+from . import versions as versions_module
 from .comm import Blob, Comm, CommClosedError, connect
 from .futures import (
     ALL_COMPLETED,
@@ -98,6 +100,7 @@ from .futures import (
 )
 from .introspection import StoryEntry, WorkerSilent, check_timeout
 from .security import Security
+from .startup import read_scheduler_file
 from .serialize import dumps_data, loads_data, loads_error, sizeof
 from .taskspec import (
     _SEQUENCES,
@@ -123,6 +126,7 @@ __all__ = [
     "TaskFailedError",
     "as_completed",
     "default_client",
+    "fire_and_forget",
     "futures_of",
     "wait",
 ]
@@ -307,12 +311,18 @@ class Client:
     pending futures raise `SchedulerConnectionError`. ``security`` holds the cluster's token and/or TLS files (`Security`); by default
     those of the LocalCluster given or started, else those named by the ``DCORE_TOKEN``
     / ``DCORE_TOKEN_FILE`` / ``DCORE_TLS_*`` environment variables.
+    ``scheduler_file`` reads the address from the file ``dcore scheduler
+    --scheduler-file`` wrote (waiting up to ``timeout`` for it).
     """
 
     def __init__(self, address=None, *, asynchronous: bool = False, timeout: float = 10,
                  name: str | None = None, set_as_default: bool = True,
                  security: Security | None = None, scheduler_timeout: float = 30.0,
-                 **cluster_kwargs) -> None:
+                 scheduler_file: str | None = None, **cluster_kwargs) -> None:
+        if scheduler_file is not None:
+            if address is not None:
+                raise TypeError("give an address or a scheduler_file, not both")
+            address = read_scheduler_file(scheduler_file, timeout=max(timeout, 1.0))
         self.asynchronous = asynchronous
         self.timeout = timeout
         self.scheduler_timeout = scheduler_timeout
@@ -446,6 +456,7 @@ class Client:
         self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
 
     def _started(self) -> None:
+        self._call_soon(self._check_versions_soon)
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._cluster)
         if self._set_as_default:
             _set_default_client(self)
@@ -1395,6 +1406,62 @@ class Client:
             addresses.append(address)
         return addresses
 
+    def get_versions(self, check: bool = False) -> dict:
+        """``{"client": ..., "scheduler": ..., "workers": {address: ...}}``: Python,
+        platform and package versions of every process (versions.py). ``check=True``
+        raises `VersionMismatch` naming every difference in Python, distributed-core,
+        cloudpickle, msgpack or dask."""
+        return self._sync(self._get_versions, check)
+
+    async def _get_versions(self, check: bool) -> dict:
+        mine = versions_module.versions()
+        scheduler = await self._request("versions")
+        workers = await self._run_everywhere(
+            remote_run.pack_call(versions_module.versions, (), {}), None, "return")
+        workers = {address: (v if isinstance(v, dict) else {"error": repr(v)})
+                   for address, v in workers.items()}
+        if check:
+            problems = versions_module.check(mine, scheduler, workers)
+            if problems:
+                raise versions_module.VersionMismatch(
+                    "mismatched versions: " + "; ".join(problems))
+        return {"client": mine, "scheduler": scheduler, "workers": workers}
+
+    def _check_versions_soon(self) -> None:
+        task = self._loop.create_task(self._warn_on_other_versions())
+        task.add_done_callback(_log_background_failure)
+
+    async def _warn_on_other_versions(self) -> None:
+        """At connect: warn if the scheduler runs other versions of what must match."""
+        try:
+            theirs = await self._request("versions")
+        except Exception:  # noqa: BLE001 - best effort: closed meanwhile, or gone
+            return
+        differ = versions_module.mismatches(versions_module.essential(), theirs)
+        if differ:
+            logger.warning("the scheduler at %s runs other versions than this client (%s): "
+                           "tasks may fail to unpickle; client.get_versions(check=True) "
+                           "names every process's", self.scheduler_address, "; ".join(differ))
+
+    def sync(self, func: Callable, *args, **kwargs):
+        """Run ``func(*args, **kwargs)``, a coroutine function, on this client's loop and
+        return its result (an awaitable in an asynchronous client), as dask's."""
+        async def call():
+            return await func(*args, **kwargs)
+        return self._sync(call)
+
+    def upload_file(self, path: str) -> dict:
+        """Send a ``.py``, ``.zip``, ``.egg`` or ``.whl`` file to every worker now
+        connected: it is written to a directory on the worker's ``sys.path`` and a
+        module of that name is imported (again, if it was). ``{address: None}``.
+        Workers that join later do not get it."""
+        name = os.path.basename(path)
+        if not name.endswith((".py", ".zip", ".egg", ".whl")):
+            raise ValueError(f"upload_file takes .py, .zip, .egg or .whl files, not {name!r}")
+        with open(path, "rb") as f:
+            data = f.read()
+        return self.run(remote_run.install_file, name, data)
+
     def nthreads(self, workers=None) -> dict:
         """``{address: threads}`` of every worker (or of ``workers``)."""
         return self._sync(self._nthreads, workers)
@@ -1556,6 +1623,17 @@ def _warn_silent(what: str, silent: dict) -> None:
                       stacklevel=4)
 
 
+def fire_and_forget(obj) -> None:
+    """Run the futures in ``obj`` (a future, containers of them, persisted collections)
+    to completion even if every client releases them or disconnects; their results are
+    then dropped."""
+    by_client: dict = {}
+    for future in futures_of(obj):
+        by_client.setdefault(id(future.client), (future.client, []))[1].append(future.key)
+    for client, keys in by_client.values():
+        client._post({"op": "fire-and-forget", "keys": keys})
+
+
 def _refuse_actors(method: str, wanted: bool) -> None:
     if wanted:
         raise NotImplementedError(f"Client.{method}(actor=True): actors are not supported "
@@ -1586,7 +1664,7 @@ def _log_background_failure(task) -> None:
         return
     exc = task.exception()
     if exc is not None:
-        logger.error("sending a dask graph failed: %r", exc)
+        logger.error("the client's background task %s failed: %r", task.get_name(), exc)
 
 
 def _plan_fetch(who_has: dict, keys: Iterable, tried: dict) -> dict[str, list]:

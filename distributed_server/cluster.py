@@ -51,7 +51,7 @@ class LocalCluster:
 
     def __init__(self, n_workers: int | None = None, threads_per_worker: int = 1,
                  processes: bool = True, *, host: str = "127.0.0.1", scheduler_port: int = 0,
-                 worker_saturation: float = 1.1, validate: bool = False,
+                 worker_saturation: float | None = None, validate: bool = False,
                  timeout: float = 30.0, log_level: str = "WARNING",
                  security: Security | None = None, memory_limit="auto"):
         if n_workers is None:
@@ -97,8 +97,9 @@ class LocalCluster:
     def _start_processes(self, host, port, worker_saturation, validate, timeout, log_level):
         command = [sys.executable, "-m", "distributed_server.cli"]
         scheduler_cmd = command + ["scheduler", "--host", host, "--port", str(port),
-                                   "--worker-saturation", str(worker_saturation),
                                    "--log-level", log_level]
+        if worker_saturation is not None:  # else the scheduler reads configuration
+            scheduler_cmd += ["--worker-saturation", str(worker_saturation)]
         if validate:
             scheduler_cmd.append("--validate")
         scheduler = self._spawn(scheduler_cmd, keep="Scheduler at ")

@@ -60,6 +60,9 @@ TERMINATE_FRACTION = 0.95
 #: glibc's ``MALLOC_TRIM_THRESHOLD_`` for worker processes (bytes): freed memory past it
 #: returns to the system.
 MALLOC_TRIM_THRESHOLD = 64 * 1024
+#: The exit code of a worker that reached its ``--lifetime`` with ``--lifetime-restart``:
+#: the nanny starts a fresh one at once.
+LIFETIME_EXIT_CODE = 75
 #: Seconds between two readings of a worker's memory.
 MEMORY_POLL_INTERVAL = 0.25
 #: Restart backoff: the first delay, the longest, and how long a worker must run before
@@ -277,6 +280,12 @@ class Nanny:
                             slot.last_label)
                 slot.done = True
                 break
+            if code == LIFETIME_EXIT_CODE:
+                logger.info("nanny: worker %s reached its --lifetime; starting a fresh one",
+                            slot.last_label)
+                slot.delay = BACKOFF_MIN
+                slot.restarts += 1
+                continue
             if loop.time() - started >= HEALTHY_SECONDS:
                 slot.delay = BACKOFF_MIN
             delay, slot.delay = slot.delay, min(slot.delay * 2, BACKOFF_MAX)

@@ -10,14 +10,18 @@ submitting tasks; peers and the scheduler may not).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
+import os
 import pickle
+import sys
+import tempfile
 
 import cloudpickle
 
 from .serialize import dumps_data, dumps_error, loads_data, loads_error
 
-__all__ = ["pack_call", "run_packed_call", "unpack_reply"]
+__all__ = ["install_file", "pack_call", "run_packed_call", "unpack_reply"]
 
 
 def pack_call(function, args: tuple, kwargs: dict) -> bytes:
@@ -59,3 +63,29 @@ def _takes_dask_worker(function) -> bool:
         return "dask_worker" in inspect.signature(function).parameters
     except (TypeError, ValueError):
         return False
+
+
+def install_file(name: str, data: bytes) -> None:
+    """``Client.upload_file`` on a worker: write the file into this process's upload
+    directory (on ``sys.path``) and import the module it holds, again if it was."""
+    directory = _upload_directory()
+    path = os.path.join(directory, os.path.basename(name))
+    with open(path, "wb") as f:
+        f.write(data)
+    if name.endswith((".zip", ".egg", ".whl")) and path not in sys.path:
+        sys.path.insert(0, path)
+    module = os.path.basename(name).split(".")[0].split("-")[0]
+    importlib.invalidate_caches()
+    if module in sys.modules:
+        importlib.reload(sys.modules[module])
+    else:
+        importlib.import_module(module)
+
+
+def _upload_directory() -> str:
+    directory = getattr(_upload_directory, "path", None)
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix=f"dcore-uploads-{os.getpid()}-")
+        sys.path.insert(0, directory)
+        _upload_directory.path = directory
+    return directory

@@ -32,10 +32,11 @@ import time
 
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
 
-from . import introspection, logs
+from . import config, introspection, logs
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
 from .security import Security, check_listen_security
 from .task_stream import TaskStream
+from .versions import essential, mismatches, versions
 
 logger = logging.getLogger("distributed_server.scheduler")
 
@@ -46,6 +47,9 @@ BLOB_MIN_BYTES = 64 * 1024
 NANNY_GRACE_SECONDS = 2.0
 #: Most worker addresses one nanny may name.
 MAX_NANNY_WORKERS = 4096
+#: The client id under which the scheduler wants fire-and-forget keys until they are
+#: done; not printable, so no real client can take it.
+FIRE_AND_FORGET = "fire-and-forget\t"
 #: Longest client id accepted; it must be printable (it appears in the log).
 MAX_CLIENT_ID = 256
 #: A client's batch is handled in turns of about this long; between turns the scheduler
@@ -85,14 +89,22 @@ class Scheduler:
     may listen only on loopback unless ``insecure=True``. Keyword arguments of the state
     machine (``validate``, ``worker_saturation``, ``allowed_failures``) pass through.
     ``max_connections`` bounds open connections (default: what the file descriptor limit
-    allows).
+    allows). ``worker_ttl``, ``worker_saturation``, ``allowed_failures`` and
+    ``client_idle_timeout`` left at None come from configuration (config.py: dask's
+    ``distributed.scheduler.*`` keys carry over), else 300 s, 1.1, 3 and 300 s.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, worker_ttl: float = 300.0,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+                 worker_ttl: float | None = None,
                  security: Security | None = None, insecure: bool = False,
-                 validate: bool = False, worker_saturation: float = 1.1,
-                 allowed_failures: int = 3, client_idle_timeout: float = 300.0,
+                 validate: bool = False, worker_saturation: float | None = None,
+                 allowed_failures: int | None = None,
+                 client_idle_timeout: float | None = None,
                  max_connections: int | None = None):
+        worker_ttl = config.get("scheduler.worker-ttl", worker_ttl)
+        worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
+        allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
+        client_idle_timeout = config.get("scheduler.client-idle-timeout", client_idle_timeout)
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "scheduler")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
@@ -108,6 +120,7 @@ class Scheduler:
         self.last_seen: dict = {}  # worker address -> time.monotonic()
         #: worker address -> its memory figures from the last heartbeat (Worker.memory_figures)
         self.worker_memory: dict = {}
+        self._versions_here = essential()
         self.client_last_seen: dict = {}  # client id -> time.monotonic()
         self.nanny_comms: dict = {}  # nanny id -> Comm
         self.nanny_workers: dict = {}  # nanny id -> tuple of the worker addresses it runs
@@ -132,6 +145,8 @@ class Scheduler:
             "retry": self._retry,
             "who-has": self._who_has,
             "has-what": self._has_what,
+            "fire-and-forget": self._fire_and_forget,
+            "versions": self._versions,
             "identity": self._identity,
             "heartbeat": self._client_heartbeat,
             "restart": self._restart,
@@ -214,6 +229,10 @@ class Scheduler:
             logger.warning("refusing worker from %s: %s", comm.peer_address, exc)
             await _refuse(comm, str(exc))
             return
+        differ = mismatches(self._versions_here, info.get("versions"))
+        if differ:
+            logger.warning("worker %s runs other versions than the scheduler (%s): tasks "
+                           "may fail to unpickle there", address, "; ".join(differ))
         self.worker_comms[address] = comm
         self.last_seen[address] = time.monotonic()
         self._registrations += 1
@@ -695,6 +714,24 @@ class Scheduler:
             result[address] = [ts.key for ts in ws.has_what] if ws is not None else []
         self._reply(client_id, msg, result)
 
+    def _fire_and_forget(self, client_id: str, msg: dict) -> None:
+        """Keep the keys wanted (by `FIRE_AND_FORGET`) until each is done, whatever
+        their clients do meanwhile."""
+        self._stimulus(client_id, "fire-and-forget", self.state.client_desires_keys,
+                       FIRE_AND_FORGET, _keys(msg))
+
+    def _fired_and_done(self, msgs: list) -> None:
+        """The core told `FIRE_AND_FORGET` that keys are done: it stops wanting them
+        (in a stimulus of its own, after the current one)."""
+        done = [msg["key"] for msg in msgs if msg.get("op") in ("key-in-memory", "task-erred")]
+        if done:
+            asyncio.get_running_loop().call_soon(
+                self._stimulus, FIRE_AND_FORGET, "fire-and-forget-done",
+                self.state.client_releases_keys, FIRE_AND_FORGET, done)
+
+    def _versions(self, client_id: str, msg: dict) -> None:
+        self._reply(client_id, msg, versions())
+
     def _identity(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.identity())
 
@@ -725,6 +762,9 @@ class Scheduler:
         """Send what a stimulus returned to the clients and workers it names."""
         client_msgs, worker_msgs = messages
         for client_id, msgs in client_msgs.items():
+            if client_id == FIRE_AND_FORGET:
+                self._fired_and_done(msgs)
+                continue
             comm = self.client_comms.get(client_id)
             if comm is not None:
                 for msg in msgs:

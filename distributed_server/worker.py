@@ -90,11 +90,9 @@ from .comm import (
     listen,
     parse_address,
 )
+from . import config
 from .memory import (
     MONITOR_INTERVAL,
-    PAUSE_FRACTION,
-    SPILL_FRACTION,
-    TARGET_FRACTION,
     MemoryMonitor,
     SpillBuffer,
     check_fractions,
@@ -102,6 +100,7 @@ from .memory import (
 from .nanny import MEMORY_LIMIT_ENV
 from .remote_run import run_packed_call
 from .security import Security, check_listen_security
+from .versions import essential
 from .serialize import (
     dumps_data,
     dumps_error,
@@ -169,33 +168,47 @@ class Worker:
     each frame of a transfer, both ways. ``validate`` checks the state
     machine's invariants after every stimulus (tests).
 
+    ``contact_address`` is the address announced to the scheduler and peers when it is
+    not where the worker listens (containers, NAT: they forward it to ``host:port``).
+
     ``memory_limit`` (bytes; default ``DCORE_MEMORY_LIMIT`` from the environment, as the
     nanny sets it, else none) turns on memory management (memory.py): results past
     ``memory_target_fraction`` of it spill to files under ``local_directory``, process
     memory past ``memory_spill_fraction`` spills more, past ``memory_pause_fraction`` no
-    new task starts until it falls back. A fraction of None or False turns that step
-    off. Heartbeats carry the process's memory, the bytes held and spilled, and whether
+    new task starts until it falls back. False turns a step off; None takes the
+    configured value (config.py: dask's ``distributed.worker.memory.*`` keys carry
+    over), else 0.6, 0.7 and 0.8. ``connect_timeout``, ``transfer_timeout`` and
+    ``scheduler_timeout`` left at None come from configuration too. Heartbeats carry the process's memory, the bytes held and spilled, and whether
     the worker is paused.
     """
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name=None,
                  resources: dict | None = None, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_interval: float = 1.0, reconnect_timeout: float = 10.0,
-                 scheduler_timeout: float = SCHEDULER_TIMEOUT,
+                 scheduler_timeout: float | None = None,
                  security: Security | None = None, *, insecure: bool = False,
-                 connect_timeout: float = 10.0, transfer_timeout: float | None = None,
+                 connect_timeout: float | None = None,
+                 transfer_timeout: float | None = None,
                  transfer_part_bytes: int = TRANSFER_PART_BYTES,
                  memory_limit: int | None = None,
-                 memory_target_fraction: float | None = TARGET_FRACTION,
-                 memory_spill_fraction: float | None = SPILL_FRACTION,
-                 memory_pause_fraction: float | None = PAUSE_FRACTION,
-                 local_directory: str | None = None,
+                 memory_target_fraction: float | bool | None = None,
+                 memory_spill_fraction: float | bool | None = None,
+                 memory_pause_fraction: float | bool | None = None,
+                 local_directory: str | None = None, contact_address: str | None = None,
                  validate: bool = False) -> None:
         if type(nthreads) is not int or not 1 <= nthreads <= MAX_THREADS:
             raise ValueError(f"nthreads must be an int from 1 to {MAX_THREADS}, "
                              f"got {nthreads!r}")
-        if transfer_timeout is None:
-            transfer_timeout = float(os.environ.get(TRANSFER_TIMEOUT_ENV) or TRANSFER_TIMEOUT)
+        if transfer_timeout is None and os.environ.get(TRANSFER_TIMEOUT_ENV):
+            transfer_timeout = float(os.environ[TRANSFER_TIMEOUT_ENV])
+        transfer_timeout = config.get("comm.timeouts.transfer", transfer_timeout)
+        connect_timeout = config.get("comm.timeouts.connect", connect_timeout)
+        scheduler_timeout = config.get("worker.scheduler-timeout", scheduler_timeout)
+        memory_target_fraction, memory_spill_fraction, memory_pause_fraction = (
+            None if value is False else config.get(f"worker.memory.{step}", value)
+            for step, value in (("target", memory_target_fraction),
+                                ("spill", memory_spill_fraction),
+                                ("pause", memory_pause_fraction)))
         if not transfer_timeout > 0:
             raise ValueError(f"transfer_timeout must be positive, got {transfer_timeout!r}")
         if type(transfer_part_bytes) is not int or transfer_part_bytes < 1:
@@ -239,6 +252,11 @@ class Worker:
         self.memory_spill_fraction = memory_spill_fraction or None
         self.memory_pause_fraction = memory_pause_fraction or None
         self.local_directory = local_directory
+        if contact_address is not None and \
+                parse_address(contact_address)[0] != self.security.scheme:
+            raise ValueError(f"contact address {contact_address!r} does not fit the "
+                             f"security given (use {self.security.scheme}://)")
+        self.contact_address = contact_address
         self.address = ""
         self.status = CREATED
         #: key -> value: a dict, or with a memory limit a SpillBuffer (memory.py).
@@ -285,8 +303,8 @@ class Worker:
         self._listener = await listen(_join_address(scheme, self.host, self.port),
                                       self._serve_peer, {"role": "worker"}, self.security)
         bound_port = self._listener.port
-        self.address = _join_address(scheme, _contact_host(self.host, self.scheduler_address),
-                                     bound_port)
+        self.address = self.contact_address or _join_address(
+            scheme, _contact_host(self.host, self.scheduler_address), bound_port)
         self._listener.set_handshake_info(address=self.address)  # known once bound
         logs.claim_address("worker", self.address)
         self.state = WorkerCore(self.address, self.nthreads, resources=self.resources or None,
@@ -433,7 +451,7 @@ class Worker:
     def _registration(self) -> dict:
         """The handshake info that registers this worker with the scheduler."""
         return {"role": "worker", "address": self.address, "nthreads": self.nthreads,
-                "name": self.name, "resources": self.resources}
+                "name": self.name, "resources": self.resources, "versions": essential()}
 
     # ------------------------------------------------------------------ stimuli in, instructions out
 

@@ -256,6 +256,75 @@ def test_nthreads_and_has_what(client):
     assert client.has_what([one]) == {one: held[one]}
 
 
+def test_get_versions_names_every_process_and_checks_them(client):
+    found = client.get_versions(check=True)
+    assert set(found["workers"]) == set(workers_of(client))
+    for info in [found["scheduler"], *found["workers"].values()]:
+        assert info["python"] == found["client"]["python"]
+        assert info["distributed-core"] == found["client"]["distributed-core"]
+
+
+def test_versions_check_names_each_difference():
+    from distributed_server.versions import check, versions
+    mine = versions()
+    other = {**mine, "cloudpickle": "0.0.1"}
+    assert check(mine, mine, {"w1": mine}) == []
+    assert check(mine, mine, {"w1": other}) == [
+        f"cloudpickle: client {mine['cloudpickle']}, but w1: 0.0.1"]
+    from distributed_server.versions import essential, mismatches
+    assert mismatches(essential(), essential()) == [] and mismatches(essential(), None) == []
+    assert mismatches(essential(), {**essential(), "python": "2.7"}) == [
+        f"python: ours {mine['python']}, theirs 2.7"]
+
+
+def test_sync_runs_a_coroutine_function_on_the_client_loop(client):
+    async def twice(x, delay=0.0):
+        await asyncio.sleep(delay)
+        return 2 * x
+    assert client.sync(twice, 21, delay=0.01) == 42
+
+
+def test_upload_file_makes_a_module_importable_on_every_worker(client, tmp_path):
+    module = tmp_path / "dcore_uploaded_mod.py"
+    module.write_text("VALUE = 1\n")
+    assert client.upload_file(str(module)) == dict.fromkeys(workers_of(client))
+
+    def read_value():
+        import dcore_uploaded_mod
+        return dcore_uploaded_mod.VALUE
+    assert client.submit(read_value, pure=False).result() == 1
+    module.write_text("VALUE = 2\n")  # uploaded again: reloaded
+    client.upload_file(str(module))
+    assert set(client.run(read_value).values()) == {2}
+    with pytest.raises(ValueError, match="upload_file takes"):
+        client.upload_file(str(tmp_path / "data.csv"))
+
+
+def append_line(path, text, delay):
+    time.sleep(delay if isinstance(delay, float) else 0.0)
+    with open(path, "a") as f:
+        f.write(text + "\n")
+    return text
+
+
+def test_fire_and_forget_runs_to_completion_after_the_client_left(cluster, tmp_path):
+    from distributed_server import fire_and_forget
+    out = tmp_path / "side-effects.txt"
+    with Client(cluster, set_as_default=False) as other:
+        first = other.submit(append_line, str(out), "first", 1.0, pure=False)
+        # Starts only once first is done, long after its client left: without
+        # fire_and_forget the scheduler would have forgotten it by then.
+        second = other.submit(append_line, str(out), "second", first, pure=False)
+        fire_and_forget([first, {"x": second}])
+    deadline = time.monotonic() + 30
+    while (not out.exists() or len(out.read_text().split()) < 2) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.read_text().split() == ["first", "second"]
+    with Client(cluster, set_as_default=False) as probe:
+        wait_until_no_tasks(probe)  # done, then forgotten: nothing is held for nobody
+
+
 def test_async_client(cluster):
     async def main():
         async with Client(cluster.scheduler_address, asynchronous=True,
