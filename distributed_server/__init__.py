@@ -18,6 +18,9 @@ from .client import (
     wait,
 )
 from .cluster import LocalCluster
+from .introspection import StoryEntry, WorkerSilent
+from .performance_report import performance_report
+from .progress import progress
 from .scheduler import Scheduler
 from .security import Security, SecurityError
 from .worker import Worker
@@ -26,6 +29,7 @@ from .worker_client import get_client, get_worker, rejoin, secede, worker_client
 __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
     "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
-    "Worker", "__version__", "as_completed", "fire_and_forget", "futures_of", "get_client",
-    "get_worker", "rejoin", "secede", "wait", "worker_client",
+    "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed", "fire_and_forget",
+    "futures_of", "get_client", "get_worker", "performance_report", "progress", "rejoin",
+    "secede", "wait", "worker_client",
 ]

@@ -36,7 +36,7 @@ import sys
 
 import distributed_core
 
-from . import config
+from . import config, logs
 from .comm import parse_address
 from .dashboard.http import DEFAULT_DASHBOARD_PORT, parse_http_address
 from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
@@ -61,8 +61,7 @@ def main(argv: list | None = None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(_role_of(args), getattr(args, "log_level", "INFO"))
     if args.command in ("scheduler", "worker"):
         try:
             if args.command == "worker":
@@ -147,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--preload", action="append", default=[],
                            help="a module or .py file to import at start; its "
                                 "dcore_setup(scheduler) runs once the scheduler listens")
-    scheduler.add_argument("--log-level", default="INFO")
+    scheduler.add_argument("--log-level", default="INFO", type=_log_level,
+                           help="CRITICAL, ERROR, WARNING, INFO (default) or DEBUG")
     scheduler.add_argument("--dashboard-address", default=f":{DEFAULT_DASHBOARD_PORT}",
                            help="where the status page, JSON API and /metrics are served: "
                                 "PORT, :PORT or HOST:PORT (default %(default)s on --host; a "
@@ -219,7 +219,9 @@ def _parser() -> argparse.ArgumentParser:
                              "again before it exits (default %(default)s)")
     worker.add_argument("--local-directory", default=None,
                         help="where spilled results go (default: the temporary directory)")
-    worker.add_argument("--log-level", default="INFO")
+    worker.add_argument("--log-level", default="INFO", type=_log_level,
+                        help="CRITICAL, ERROR, WARNING, INFO (default) or DEBUG; the "
+                             "nanny's and its workers'")
     worker.add_argument("--dashboard-address", default=":0",
                         help="where each worker serves /metrics: :PORT or HOST:PORT "
                              "(default: a free port on --host)")
@@ -280,6 +282,22 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(target, 1 << 16), hard))
     except (ImportError, OSError, ValueError):
         pass
+
+
+def _role_of(args) -> str:
+    """The role this process plays, as its log lines name it."""
+    if args.command == "worker":
+        return "worker" if args.no_nanny else "nanny"
+    return "client" if args.command == "demo" else args.command
+
+
+def _log_level(text: str) -> str:
+    """A ``--log-level``: a level name in any case (given on as upper case) or a number."""
+    try:
+        logs.level_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip().upper()
 
 
 def _off_if_zero(fraction: float | None):

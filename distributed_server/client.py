@@ -56,19 +56,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import functools
 import itertools
 import logging
+import math
 import os
 import pickle
 import random
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 
-from . import dask_support, remote_run
+from . import dask_support, logs, remote_run
 from . import versions as versions_module
 from .comm import Blob, Comm, CommClosedError, connect
 from .futures import (
@@ -96,6 +99,7 @@ from .futures import (
     futures_of,
     wait,
 )
+from .introspection import StoryEntry, WorkerSilent, check_timeout
 from .security import Security
 from .startup import read_scheduler_file
 from .serialize import dumps_data, loads_data, loads_error, sizeof
@@ -1525,6 +1529,78 @@ class Client:
                                f"{timeout} s")
         return self
 
+    # ------------------------------------------------------------ introspection
+
+    def story(self, *keys, timeout: float = 5.0):
+        """What happened to these keys (or futures), in the scheduler and on every worker:
+        a list of `StoryEntry` ``(key, start, finish, stimulus_id, time, where)`` sorted
+        by time. Workers that do not answer within ``timeout`` seconds are left out with
+        a RuntimeWarning naming them. KeyError for a key that neither the scheduler nor
+        any worker knows (never submitted, or forgotten and out of their bounded logs).
+        """
+        keys = [k.key if isinstance(k, Future) else k for k in keys]
+        if not keys:
+            raise TypeError("story() needs at least one key or future")
+        try:
+            hash(tuple(keys))
+        except TypeError:
+            raise TypeError(f"story(): keys must be hashable, got {keys!r:.200}") from None
+        timeout = check_timeout(timeout)
+        return self._sync(self._story, keys, timeout)
+
+    async def _story(self, keys: list, timeout: float) -> list:
+        result = await self._request("story", keys=keys, timeout=timeout)
+        if result["unknown"]:
+            raise KeyError(f"no story for {list(result['unknown'])!r:.300}: neither the "
+                           "scheduler nor any worker knows it (never submitted here, or "
+                           "forgotten and out of their bounded logs)")
+        _warn_silent("story", result["silent"])
+        return [StoryEntry(*entry) for entry in result["story"]]
+
+    def get_scheduler_logs(self, n: int | None = None):
+        """The scheduler's last ``n`` log lines (every line it keeps, up to 10,000, for
+        None), oldest first."""
+        n = logs.check_line_count(n)
+        return self._sync(self._scheduler_logs, n)
+
+    async def _scheduler_logs(self, n) -> list:
+        return list(await self._request("scheduler-logs", n=n))
+
+    def get_worker_logs(self, n: int | None = None, timeout: float = 5.0):
+        """``{worker address: its last n log lines}`` (every line kept, up to 10,000, for
+        None), oldest first. A worker that does not answer within ``timeout`` seconds
+        (or left meanwhile) gets a `WorkerSilent` exception saying so instead of lines."""
+        n = logs.check_line_count(n)
+        timeout = check_timeout(timeout)
+        return self._sync(self._worker_logs, n, timeout)
+
+    async def _worker_logs(self, n, timeout: float) -> dict:
+        result = await self._request("worker-logs", n=n, timeout=timeout)
+        answers: dict = {address: list(lines) for address, lines in result["logs"].items()}
+        for address, reason in result["silent"].items():
+            answers[address] = WorkerSilent(f"worker {address} did not answer: {reason}")
+        return dict(sorted(answers.items()))
+
+    def get_task_stream(self, start=None, stop=None):
+        """The tasks that ran (finished or failed) at some time between ``start`` and
+        ``stop``: seconds since the epoch (``time.time()``) or datetimes, None for no
+        bound. A list of ``{"key", "worker", "start", "stop", "status"}`` ("memory" or
+        "erred"), oldest report first. The scheduler remembers its last 100,000 tasks;
+        times are the clocks of the workers that ran them."""
+        start, stop = _time_bound(start, "start"), _time_bound(stop, "stop")
+        if start is not None and stop is not None and start > stop:
+            raise ValueError(f"start ({start}) is after stop ({stop})")
+        return self._sync(self._get_task_stream, start, stop)
+
+    async def _get_task_stream(self, start, stop) -> list:
+        return (await self._task_stream_and_counters(start, stop))["tasks"]
+
+    async def _task_stream_and_counters(self, start, stop) -> dict:
+        """``{"tasks": [...], "counters": {...}}`` (`Scheduler.counters`)."""
+        result = await self._request("task-stream", start=start, stop=stop)
+        return {"tasks": [dict(task) for task in result["tasks"]],
+                "counters": dict(result["counters"])}
+
     async def _wait_for_workers(self, n_workers: int, timeout: float | None) -> None:
         async def poll():
             while len((await self._request("identity"))["workers"]) < n_workers:
@@ -1534,6 +1610,25 @@ class Client:
             await asyncio.wait_for(poll(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"fewer than {n_workers} workers after {timeout}s") from None
+
+
+def _time_bound(value, name: str) -> float | None:
+    """A task stream bound: None, a number of seconds since the epoch, or a datetime."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    if type(value) in (int, float) and math.isfinite(value):
+        return float(value)
+    raise TypeError(f"{name} must be None, seconds since the epoch or a datetime, not "
+                    f"{value!r:.100}")
+
+
+def _warn_silent(what: str, silent: dict) -> None:
+    if silent:
+        named = "; ".join(f"{address}: {reason}" for address, reason in sorted(silent.items()))
+        warnings.warn(f"{what}: {len(silent)} worker(s) left out: {named}", RuntimeWarning,
+                      stacklevel=4)
 
 
 def fire_and_forget(obj) -> None:

@@ -27,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
 
-from . import config
+from . import config, introspection, logs
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
 from .loop_lag import LoopLagMonitor
 from .security import Security, check_listen_security
@@ -142,6 +143,7 @@ class Scheduler:
         self._workers_changed = asyncio.Event()  # set when a worker or a nanny comes or goes
         self._restarting = False
         self._background: set = set()
+        self._worker_requests = introspection.WorkerRequests()  # story, logs
         self._listener = None
         self._ttl_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -170,6 +172,10 @@ class Scheduler:
             "identity": self._identity,
             "heartbeat": self._client_heartbeat,
             "restart": self._restart,
+            "story": self._story,
+            "scheduler-logs": self._scheduler_logs,
+            "worker-logs": self._worker_logs,
+            "task-stream": self._task_stream,
         }
 
     def __repr__(self):
@@ -184,6 +190,8 @@ class Scheduler:
             {"role": "scheduler", "compiled": COMPILED, "version": __version__},
             self.security, max_connections=self.max_connections)
         self.address = self._listener.address
+        logs.claim_address("scheduler", self.address)
+        logs.install_buffer()
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
         if self.dashboard_address is not None:
@@ -284,6 +292,7 @@ class Scheduler:
             await self._read_loop(comm, address, self._handle_worker_batch)
         finally:
             del self.worker_comms[address]
+            self._worker_requests.worker_left(address)
             self.last_seen.pop(address, None)
             self.worker_memory.pop(address, None)
             self.worker_dashboards.pop(address, None)
@@ -422,6 +431,9 @@ class Scheduler:
                 if comm is not None:  # the worker's proof that we are alive
                     _send_quietly(comm, {"op": "heartbeat"})
                 continue
+            if op == "reply":  # to a story or logs request (introspection.WorkerRequests)
+                self._worker_requests.answer(address, msg)
+                continue
             self._flush_reports(address, finished, erred)
             finished, erred = [], []
             if op == "missing-data":
@@ -514,7 +526,8 @@ class Scheduler:
             hash(tuple(keys))
         except TypeError:
             self._reply_error(client_id, "release-keys", ValueError("keys must be hashable"))
-            logger.warning("refused 'release-keys' from %s: unhashable keys", client_id)
+            logger.warning("refused 'release-keys' from %s (%s): unhashable keys", client_id,
+                           self._sid("release-keys"))
             return
         for i in range(0, len(keys), RELEASE_SLICE_KEYS):
             self._stimulus(client_id, "release-keys", self.state.client_releases_keys,
@@ -651,6 +664,103 @@ class Scheduler:
         self._reply(client_id, {"reqid": reqid}, {"status": status, "workers": fresh,
                                                   "expected": n_before, "seconds": seconds})
 
+    # ------------------------------------------------------------------ introspection
+
+    def _story(self, client_id: str, msg: dict) -> None:
+        """``story {keys, timeout, reqid}``: the scheduler's transitions of these keys and
+        every worker's, sorted by time; workers silent for ``timeout`` are named."""
+        reqid = msg.get("reqid")
+        try:
+            keys = _story_keys(msg.get("keys"))
+            timeout = introspection.check_timeout(msg.get("timeout", 5.0))
+        except ValueError as exc:
+            self._reply_failure(client_id, reqid, f"story: {exc}")
+            return
+        entries = self.state.story(*keys)
+        self._in_background(self._story_answer(client_id, reqid, keys, entries, timeout))
+
+    async def _story_answer(self, client_id: str, reqid, keys: list, entries: list,
+                            timeout: float) -> None:
+        answers, silent = await self._worker_requests.ask(
+            dict(self.worker_comms), {"op": "story", "keys": keys}, timeout)
+        wanted = set(keys)
+        checked = {}
+        for address, answer in answers.items():
+            try:
+                checked[address] = introspection.check_story_answer(answer, wanted)
+            except ValueError as exc:
+                silent[address] = f"a malformed answer: {exc}"
+        story = introspection.merge_stories(entries, checked)
+        told = {entry[0] for entry in story}
+        unknown = [key for key in keys if key not in told and key not in self.state.tasks]
+        self._reply(client_id, {"reqid": reqid},
+                    {"story": story, "silent": silent, "unknown": unknown})
+
+    def _scheduler_logs(self, client_id: str, msg: dict) -> None:
+        """``scheduler-logs {n, reqid}``: this process's last ``n`` log lines."""
+        try:
+            n = logs.check_line_count(msg.get("n"))
+        except ValueError as exc:
+            self._reply_failure(client_id, msg.get("reqid"), f"scheduler-logs: {exc}")
+            return
+        self._reply(client_id, msg, logs.recent_lines(n))
+
+    def _worker_logs(self, client_id: str, msg: dict) -> None:
+        """``worker-logs {n, timeout, reqid}``: every worker's last ``n`` log lines;
+        workers silent for ``timeout`` are named."""
+        reqid = msg.get("reqid")
+        try:
+            n = logs.check_line_count(msg.get("n"))
+            timeout = introspection.check_timeout(msg.get("timeout", 5.0))
+        except ValueError as exc:
+            self._reply_failure(client_id, reqid, f"worker-logs: {exc}")
+            return
+        self._in_background(self._worker_logs_answer(client_id, reqid, n, timeout))
+
+    async def _worker_logs_answer(self, client_id: str, reqid, n, timeout: float) -> None:
+        answers, silent = await self._worker_requests.ask(
+            dict(self.worker_comms), {"op": "logs", "n": n}, timeout)
+        lines = {}
+        for address, answer in answers.items():
+            try:
+                lines[address] = introspection.check_logs_answer(answer)
+            except ValueError as exc:
+                silent[address] = f"a malformed answer: {exc}"
+        self._reply(client_id, {"reqid": reqid}, {"logs": lines, "silent": silent})
+
+    def _task_stream(self, client_id: str, msg: dict) -> None:
+        """``task-stream {start, stop, reqid}``: the tasks that ran between the two times
+        (None: unbounded), and the scheduler's counters now (`counters`)."""
+        bounds = msg.get("start"), msg.get("stop")
+        if not all(b is None or (type(b) in (int, float) and math.isfinite(b))
+                   for b in bounds):
+            self._reply_failure(client_id, msg.get("reqid"), f"task-stream: start and stop "
+                                f"must be None or numbers, not {bounded_repr(bounds, 100)}")
+            return
+        tasks = [{"key": key, "worker": worker, "start": start, "stop": stop,
+                  "status": "memory" if ok else "erred"}
+                 for _, key, worker, start, stop, ok in self.task_stream.window(*bounds)]
+        self._reply(client_id, msg, {"tasks": tasks, "counters": self.counters()})
+
+    def counters(self) -> dict:
+        """The scheduler's running totals, without a walk over tasks: its clock, tasks
+        held, transitions so far, tasks the task stream recorded, workers and threads."""
+        workers = self.state.workers
+        return {"time": time.time(), "tasks": len(self.state.tasks),
+                "transitions": self.state.transition_counter,
+                "tasks_recorded": self.task_stream.total, "workers": len(workers),
+                "threads": sum(ws.nthreads for ws in workers.values()),
+                "clients": len(self.client_comms), "compiled": COMPILED,
+                "version": __version__}
+
+    def _in_background(self, coro) -> None:
+        """Run ``coro`` as a task the scheduler keeps until it is done; a failure is a bug
+        (logged), never the client's."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
+
     def _reply_failure(self, client_id: str, reqid, text: str) -> None:
         comm = self.client_comms.get(client_id)
         if comm is not None:
@@ -759,6 +869,23 @@ async def _refuse(comm, reason: str) -> None:
     except CommClosedError:
         pass
     comm.abort()
+
+
+def _log_failure(task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("BUG: a background request failed", exc_info=task.exception())
+
+
+def _story_keys(keys) -> list:
+    """The keys of a story request: a list of 1 to MAX_STORY_KEYS hashable keys."""
+    if not isinstance(keys, (list, tuple)) or not 0 < len(keys) <= introspection.MAX_STORY_KEYS:
+        raise ValueError(f"keys must be a list of 1 to {introspection.MAX_STORY_KEYS} keys, "
+                         f"not {bounded_repr(keys, 100)}")
+    try:
+        hash(tuple(keys))
+    except TypeError:
+        raise ValueError(f"keys must be hashable: {bounded_repr(keys, 100)}") from None
+    return list(keys)
 
 
 def _nanny_workers(workers) -> tuple:

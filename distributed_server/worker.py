@@ -79,6 +79,7 @@ from distributed_core import (
     bounded_repr,
 )
 
+from . import logs
 from .comm import (
     DEFAULT_MAX_FRAME_BYTES,
     Blob,
@@ -282,6 +283,7 @@ class Worker:
         self._retiring = 0  # executor threads to retire (tasks that rejoined)
         self._task_client = None  # the Client of tasks that launch tasks, made on demand
         self._bursts = itertools.count()
+        self._sids = itertools.count()  # numbers the shell's stimulus ids
 
         self._peer_pool: dict = {}  # peer address -> idle Comms
         self._served: set = set()  # comms of peers we answer
@@ -308,6 +310,7 @@ class Worker:
         if self.status != CREATED:
             raise RuntimeError(f"{self!r} was already started")
         self._loop = asyncio.get_running_loop()
+        logs.install_buffer()
         scheme = self.security.scheme
         self._listener = await listen(_join_address(scheme, self.host, self.port),
                                       self._serve_peer, {"role": "worker"}, self.security)
@@ -315,6 +318,7 @@ class Worker:
         self.address = self.contact_address or _join_address(
             scheme, _contact_host(self.host, self.scheduler_address), bound_port)
         self._listener.set_handshake_info(address=self.address)  # known once bound
+        logs.claim_address("worker", self.address)
         self.state = WorkerCore(self.address, self.nthreads, resources=self.resources or None,
                                 validate=self.validate, clock=time.time,
                                 seed=hash(self.address) & 0xFFFFFFFF)
@@ -366,7 +370,7 @@ class Worker:
         await self._stop_threads()
         if self._task_client is not None:
             await asyncio.to_thread(self._task_client.close)
-        self._stimulus(self.state.scheduler_lost, "worker-closing")
+        self._stimulus(self.state.scheduler_lost, self._sid("worker-closing"))
         if isinstance(self.data, SpillBuffer):
             self.data.close()
         self.data.clear()
@@ -381,11 +385,11 @@ class Worker:
     def pause(self) -> None:
         """Start no new task (memory is short); tasks already handed to the threads
         finish, fetches and peers are served as usual. On the event loop."""
-        self._stimulus(self.state.pause, "pause")
+        self._stimulus(self.state.pause, self._sid("pause"))
 
     def unpause(self) -> None:
         """Start tasks again. On the event loop."""
-        self._stimulus(self.state.unpause, "unpause")
+        self._stimulus(self.state.unpause, self._sid("unpause"))
 
     def memory_figures(self) -> dict:
         """What the heartbeat says of memory: the process's resident bytes (``memory``),
@@ -476,20 +480,26 @@ class Worker:
     def _stimulus(self, method, *args, **kwargs) -> bool:
         """Call one stimulus of the state machine and carry out its instructions.
 
+        The last positional argument is the stimulus id (every stimulus takes it last).
         False if the machine refused the input (logged as a warning: the sender's
         fault) or failed (logged as a bug, with the stimulus; the next stimulus
         carries out what it left pending)."""
         try:
             instructions = method(*args, **kwargs)
         except InvalidStimulus as exc:
-            logger.warning("worker %s refused %s: %s", self.address, method.__name__, exc)
+            logger.warning("worker %s refused %s (%s): %s", self.address, method.__name__,
+                           args[-1], exc)
             return False
         except Exception:
-            logger.exception("BUG: worker %s: stimulus %s%.300r failed", self.address,
-                             method.__name__, args)
+            logger.exception("BUG: worker %s: stimulus %s (%s) %.300r failed", self.address,
+                             method.__name__, args[-1], args[:-1])
             return False
         self._apply(instructions)
         return True
+
+    def _sid(self, cause: str) -> str:
+        """A fresh stimulus id for a stimulus of the shell's own making."""
+        return f"{cause}-{next(self._sids)}"
 
     def _apply(self, instructions: list) -> None:
         """Carry out the machine's instructions, in order."""
@@ -540,7 +550,7 @@ class Worker:
                     logger.warning("worker %s lost the scheduler at %s (%s); dropping all "
                                    "data and tasks, reconnecting for up to %.1fs", self.address,
                                    self.scheduler_address, exc, self.reconnect_timeout)
-                    self._stimulus(self.state.scheduler_lost, "scheduler-lost")
+                    self._stimulus(self.state.scheduler_lost, self._sid("scheduler-lost"))
                     if not await self._reconnect():
                         break
                     continue
@@ -593,11 +603,30 @@ class Worker:
                 tasks.append(msg)
             elif op == "close":
                 self._close_requested = True
+            elif op == "story" or op == "logs":
+                self._send(self._introspection_reply(msg))
             elif op != "heartbeat":  # the scheduler's answer to ours: it is alive
                 logger.warning("worker %s ignores unknown operation %r from the scheduler",
                                self.address, op)
         if tasks:
             self._scheduler_messages(tasks)
+
+    def _introspection_reply(self, msg: dict) -> dict:
+        """The answer to the scheduler's ``story {keys, reqid}`` (this worker's transitions
+        of the keys) or ``logs {n, reqid}`` (its last n log lines)."""
+        reply = {"op": "reply", "reqid": msg.get("reqid")}
+        try:
+            if msg["op"] == "story":
+                keys = msg.get("keys")
+                if not isinstance(keys, (list, tuple)):
+                    raise ValueError("story needs a list of keys")
+                hash(tuple(keys))
+                reply["result"] = self.state.story(*keys)
+            else:
+                reply["result"] = logs.recent_lines(logs.check_line_count(msg.get("n")))
+        except (TypeError, ValueError) as exc:
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        return reply
 
     def _scheduler_messages(self, msgs: list) -> None:
         """One stimulus for the task messages of a frame; if the machine refuses the
@@ -605,7 +634,7 @@ class Worker:
         for msg in msgs:
             resources = msg.get("resources")
             if type(resources) is dict and resources:
-                self._check_resources(msg.get("key"), resources)
+                self._check_resources(msg.get("key"), resources, msg.get("stimulus_id"))
         sid = msgs[-1].get("stimulus_id")
         if not isinstance(sid, str):
             sid = "scheduler"
@@ -621,12 +650,13 @@ class Worker:
             return
         self._apply(instructions)
 
-    def _check_resources(self, key, resources: dict) -> None:
+    def _check_resources(self, key, resources: dict, stimulus_id) -> None:
         short = {name: qty for name, qty in resources.items()
                  if not isinstance(qty, (int, float)) or self.resources.get(name, 0) < qty}
         if short:
-            logger.warning("worker %s: task %r needs resources %s but the worker has only %s;"
-                           " it will never run here", self.address, key, short, self.resources)
+            logger.warning("worker %s: task %s needs resources %s but the worker has only %s;"
+                           " it will never run here (%s)", self.address, bounded_repr(key),
+                           short, self.resources, stimulus_id)
 
     def _send(self, msg: dict) -> None:
         """Queue a message on the scheduler stream; dropped if the stream is down."""
@@ -808,21 +838,24 @@ class Worker:
         if self.status != RUNNING_STATUS:
             return
         if failure is not None:
-            logger.warning("worker %s could not fetch %d key(s) from %s: %s", self.address,
-                           len(keys), peer, _describe(failure))
+            sid = self._sid(f"fetch-failed-{peer}")
+            logger.warning("worker %s could not fetch %d key(s) from %s (%s): %s; keys %s",
+                           self.address, len(keys), peer, sid, _describe(failure),
+                           bounded_repr(keys, 200))
             if _refused(failure):
-                self._stimulus(self.state.peer_gone, peer, f"peer-gone-{peer}")
-            self._stimulus(self.state.fetch_failed, peer, keys, f"fetch-failed-{peer}")
+                self._stimulus(self.state.peer_gone, peer, self._sid(f"peer-gone-{peer}"))
+            self._stimulus(self.state.fetch_failed, peer, keys, sid)
             return
+        sid = self._sid(f"fetched-{peer}")
         values: dict = {}
         for key, parts in frames.items():
             try:
                 values[key] = loads_data(parts)
             except Exception as exc:  # noqa: BLE001 - this key only: try another holder
-                logger.warning("worker %s cannot deserialize %r from %s: %s", self.address,
-                               key, peer, _describe(exc))
+                logger.warning("worker %s cannot deserialize %s from %s (%s): %s",
+                               self.address, bounded_repr(key), peer, sid, _describe(exc))
         missing = [key for key in keys if key not in values]
-        self._stimulus(self.state.fetch_done, peer, values, missing, f"fetched-{peer}",
+        self._stimulus(self.state.fetch_done, peer, values, missing, sid,
                        nbytes=nbytes or None, errors=errors or None)
 
     async def _read_data_reply(self, comm: Comm, deadline: _Deadline) -> tuple:
@@ -985,9 +1018,10 @@ class Worker:
                                f"{self.single_frame_reply_bytes} bytes: ask for it alone, "
                                f"or in parts")
         if failed:
+            sid = self._sid("serve-failed")
             for key, text in failed.items():
-                logger.warning("worker %s: %s", self.address, text)
-            self._stimulus(self.state.serve_failed, failed, "serve-failed")
+                logger.warning("worker %s (%s): %s", self.address, sid, text)
+            self._stimulus(self.state.serve_failed, failed, sid)
         reply = {"op": "data", "data": data, "missing": missing}
         if nbytes:
             reply["nbytes"] = nbytes
@@ -1002,7 +1036,7 @@ class Worker:
         if not isinstance(items, dict):
             raise _BadRequest("'put-data' needs a map 'data' of key -> frames")
         values = {key: loads_data(frames) for key, frames in items.items()}
-        if not self._stimulus(self.state.data_put, values, "put-data"):
+        if not self._stimulus(self.state.data_put, values, self._sid("put-data")):
             raise _BadRequest("put-data refused")
         return {"op": "ok"}
 

@@ -191,8 +191,10 @@ FIELDS = {
     "spec": anything,
 }
 CLIENT_OPS = ["update-graph", "update-data", "release-keys", "desire-keys", "cancel",
-              "retry", "who-has", "identity", "heartbeat"]
-WORKER_OPS = ["task-finished", "task-erred", "missing-data", "reschedule", "heartbeat"]
+              "retry", "who-has", "identity", "heartbeat", "story", "scheduler-logs",
+              "worker-logs", "task-stream"]
+WORKER_OPS = ["task-finished", "task-erred", "missing-data", "reschedule", "heartbeat",
+              "reply"]
 PEER_OPS = ["get-data", "put-data", "ping"]
 
 
@@ -233,6 +235,14 @@ PLAUSIBLE = {
     "who-has": {"keys": st.lists(small_keys, max_size=3), "reqid": st.integers(0, 9)},
     "identity": {"reqid": st.integers(0, 9)},
     "heartbeat": {},
+    "story": {"keys": st.lists(small_keys, min_size=1, max_size=3),
+              "timeout": st.just(0.2), "reqid": st.integers(0, 9)},
+    "scheduler-logs": {"n": st.none() | st.integers(0, 5), "reqid": st.integers(0, 9)},
+    "worker-logs": {"n": st.none() | st.integers(0, 5), "timeout": st.just(0.2),
+                    "reqid": st.integers(0, 9)},
+    "task-stream": {"start": st.none() | st.floats(), "stop": st.none() | st.floats(),
+                    "reqid": st.integers(0, 9)},
+    "reply": {"reqid": st.integers(0, 9), "result": anything},
     "task-finished": {**report, "data": st.just(pickle.dumps(3))},
     "task-erred": {"key": small_keys, "exception": st.none() | st.just(b"x"),
                    "traceback": st.none() | st.just(b"tb"), "text": st.just("boom"),

@@ -1,0 +1,168 @@
+"""One log format for every process of a cluster, and the recent log lines each one keeps.
+
+What this module does
+---------------------
+- Every line a scheduler, worker, nanny or client process writes reads the same way::
+
+      2026-01-31 12:00:00,123 worker tcp://10.0.0.7:40123 WARNING worker ... could not ...
+
+  the time, the process's role and address (a scheduler or worker: the address it
+  listens on; a nanny: ``pid:N``; a client: its id), the level, the message.
+  `configure` sets this up for a process (the ``dcore`` command calls it with
+  ``--log-level``); the scheduler or worker fills in its address once it listens
+  (`claim_address`).
+- `LogBuffer` is a `logging.Handler` that keeps the last `BUFFER_LINES` formatted lines
+  in memory (a deque: old lines fall out, memory stays bounded). The scheduler and
+  every worker install one (`install_buffer`), and the client reads it over the
+  existing connections (``Client.get_scheduler_logs``, ``Client.get_worker_logs``).
+
+What it never does
+------------------
+It never writes files and never configures logging on import. A library process that
+did not call `configure` (a user's script running servers in-process) keeps its own
+handlers; `install_buffer` only adds the in-memory buffer, once per process, so servers
+sharing a process share one buffer.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+
+__all__ = ["BUFFER_LINES", "FORMAT", "LogBuffer", "buffer", "check_line_count",
+           "claim_address", "configure", "install_buffer", "level_of", "recent_lines",
+           "set_identity"]
+
+#: Lines a process keeps in memory for `Client.get_scheduler_logs` / `get_worker_logs`.
+BUFFER_LINES = 10_000
+#: The format of every line: time, role, address, level, message.
+FORMAT = "%(asctime)s %(dcore_role)s %(dcore_address)s %(levelname)s %(message)s"
+#: The level names ``--log-level`` accepts (any case), besides a number.
+LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+_identity = {"role": "process", "address": f"pid:{os.getpid()}"}
+_buffer: LogBuffer | None = None
+_lock = threading.Lock()
+
+
+class _IdentityFilter(logging.Filter):
+    """Puts this process's role and address on every record a handler formats."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.dcore_role = _identity["role"]
+        record.dcore_address = _identity["address"]
+        return True
+
+
+def formatter() -> logging.Formatter:
+    """A formatter for `FORMAT` (records must pass through an identity filter)."""
+    return logging.Formatter(FORMAT)
+
+
+class LogBuffer(logging.Handler):
+    """The last ``capacity`` formatted log lines of this process, oldest first.
+
+    Appending is O(1) and thread-safe (a deque with a maximum length); reading copies.
+    """
+
+    def __init__(self, capacity: int = BUFFER_LINES, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.lines: collections.deque = collections.deque(maxlen=capacity)
+        self.addFilter(_IdentityFilter())
+        self.setFormatter(formatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # noqa: BLE001 - logging must never break the caller
+            self.handleError(record)
+
+    def recent(self, n: int | None = None) -> list[str]:
+        """The last ``n`` lines (all kept lines for None), oldest first."""
+        lines = list(self.lines)
+        return lines if n is None else lines[len(lines) - min(n, len(lines)):]
+
+
+def level_of(text) -> int:
+    """A log level from a name in any case (``info``, ``WARNING``) or a number;
+    ValueError naming the choices otherwise."""
+    if isinstance(text, int):
+        return text
+    name = str(text).strip().upper()
+    if name in LEVELS:
+        return getattr(logging, name)
+    if name.isdigit():
+        return int(name)
+    raise ValueError(f"unknown log level {text!r}: use one of {', '.join(LEVELS)} "
+                     "(any case) or a number")
+
+
+def set_identity(role: str | None = None, address: str | None = None) -> None:
+    """Name this process in every later line: its role (scheduler, worker, nanny,
+    client) and its address."""
+    if role is not None:
+        _identity["role"] = role
+    if address is not None:
+        _identity["address"] = address
+
+
+def claim_address(role: str, address: str) -> None:
+    """A server of ``role`` learned its address: it names this process from now on if
+    the process was configured for that role and has no address yet (a process running
+    several servers keeps its pid)."""
+    if _identity["role"] == role and _identity["address"].startswith("pid:"):
+        _identity["address"] = address
+
+
+def configure(role: str, level="INFO", address: str | None = None) -> None:
+    """Log this process's lines to stderr in `FORMAT` at ``level``, and keep the recent
+    ones in the in-memory buffer: INFO and above, or down to ``level`` if it is lower (so
+    that a quiet process still tells `Client.get_worker_logs` what it did). For a process
+    that runs one server (the ``dcore`` command) or a script that wants the cluster's
+    format; replaces the root logger's handlers."""
+    set_identity(role, address if address is not None else f"pid:{os.getpid()}")
+    printed = level_of(level)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if not isinstance(handler, LogBuffer):
+            root.removeHandler(handler)
+    stream = logging.StreamHandler()
+    stream.setLevel(printed)
+    stream.addFilter(_IdentityFilter())
+    stream.setFormatter(formatter())
+    root.addHandler(stream)
+    kept = min(printed, logging.INFO)
+    root.setLevel(kept)
+    install_buffer().setLevel(kept)
+
+
+def install_buffer() -> LogBuffer:
+    """This process's `LogBuffer` on the root logger, added at the first call."""
+    global _buffer
+    with _lock:
+        if _buffer is None:
+            _buffer = LogBuffer()
+            logging.getLogger().addHandler(_buffer)
+        return _buffer
+
+
+def buffer() -> LogBuffer | None:
+    """This process's `LogBuffer`, or None if none was installed."""
+    return _buffer
+
+
+def recent_lines(n: int | None = None) -> list[str]:
+    """The last ``n`` lines this process kept (all for None); empty without a buffer."""
+    return _buffer.recent(n) if _buffer is not None else []
+
+
+def check_line_count(n) -> int | None:
+    """``n`` for `recent_lines`, checked: None or an int from 0 to `BUFFER_LINES`;
+    ValueError saying so otherwise."""
+    if n is None:
+        return None
+    if type(n) is not int or not 0 <= n <= BUFFER_LINES:
+        raise ValueError(f"n must be None (every kept line) or an int from 0 to "
+                         f"{BUFFER_LINES}, not {n!r:.60}")
+    return n
