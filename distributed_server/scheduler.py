@@ -21,6 +21,12 @@ scheduler told which workers they supervise. A client's ``restart`` forgets ever
 every nanny to restart its workers, and answers once as many workers as before have
 registered again, or after the request's timeout. It is refused, with nothing changed,
 while any worker has no nanny (it could not come back).
+
+The coordination primitives' state (`distributed_server.coordination`: variables,
+queues, locks, semaphores, events, pub/sub) is held by composition too: their client
+messages go to `Coordination.handle`, a client's departure to ``client_gone``, and a
+timer to ``expire``; the effects that come back are replies to send and task keys the
+pseudo-client ``coordination`` starts or stops wanting (core stimuli).
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ import time
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
 
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
+from .coordination import COORDINATION_CLIENT, OPS as COORDINATION_OPS
+from .coordination import Coordination, CoordinationLimits
 from .security import Security, check_listen_security
 
 logger = logging.getLogger("distributed_server.scheduler")
@@ -82,14 +90,16 @@ class Scheduler:
     may listen only on loopback unless ``insecure=True``. Keyword arguments of the state
     machine (``validate``, ``worker_saturation``, ``allowed_failures``) pass through.
     ``max_connections`` bounds open connections (default: what the file descriptor limit
-    allows).
+    allows). ``coordination_limits`` bounds what the coordination primitives may hold
+    (`CoordinationLimits`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, worker_ttl: float = 300.0,
                  security: Security | None = None, insecure: bool = False,
                  validate: bool = False, worker_saturation: float = 1.1,
                  allowed_failures: int = 3, client_idle_timeout: float = 300.0,
-                 max_connections: int | None = None):
+                 max_connections: int | None = None,
+                 coordination_limits: CoordinationLimits | None = None):
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "scheduler")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
@@ -129,6 +139,12 @@ class Scheduler:
             "heartbeat": self._client_heartbeat,
             "restart": self._restart,
         }
+        self.coordination = Coordination(self._task_exists, coordination_limits)
+        self.state.add_client(COORDINATION_CLIENT, "coordination-start")
+        self._coordination_timer: asyncio.TimerHandle | None = None
+        self._coordination_when = 0.0
+        for op in COORDINATION_OPS:
+            self._client_handlers[op] = self._coordinate
 
     def __repr__(self):
         return (f"<Scheduler {self.address or 'not started'} workers={len(self.worker_comms)}"
@@ -153,6 +169,8 @@ class Scheduler:
         self._closed.set()
         if self._ttl_task is not None:
             self._ttl_task.cancel()
+        if self._coordination_timer is not None:
+            self._coordination_timer.cancel()
         if self._listener is not None:
             await self._listener.stop()
         comms = list(self.client_comms.values())
@@ -257,7 +275,8 @@ class Scheduler:
     async def _serve_client(self, comm) -> None:
         client_id = comm.extra.get("client_id")
         if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID \
-                or not client_id.isprintable() or client_id in self.client_comms:
+                or not client_id.isprintable() or client_id in self.client_comms \
+                or client_id == COORDINATION_CLIENT:
             text = f"bad or duplicate client_id {bounded_repr(client_id, 100)}"
             logger.warning("refusing client from %s: %s", comm.peer_address, text)
             await _refuse(comm, text)
@@ -271,6 +290,7 @@ class Scheduler:
         finally:
             del self.client_comms[client_id]
             self.client_last_seen.pop(client_id, None)
+            self._apply_coordination(self.coordination.client_gone(client_id))
             self._stimulus(client_id, "remove-client", self.state.remove_client, client_id)
             logger.info("client %s left", client_id)
 
@@ -492,7 +512,11 @@ class Scheduler:
                 self._restarting = False
                 return
             n_before, mark = len(self.state.workers), self._registrations
-            if not await self._forget_everything(client_id):
+            forgotten = await self._forget_everything(client_id)
+            pseudo = self.state.clients.get(COORDINATION_CLIENT)
+            self.coordination.restarted(
+                {ts.key for ts in pseudo.wants_what} if pseudo is not None else set())
+            if not forgotten:
                 self._reply_failure(client_id, reqid, "restart: the scheduler could not "
                                                       "forget its tasks (see its log)")
                 self._restarting = False
@@ -560,6 +584,55 @@ class Scheduler:
         comm = self.client_comms.get(client_id)
         if comm is not None:
             _send_quietly(comm, {"op": "reply", "reqid": reqid, "error": text})
+
+    # ------------------------------------------------------------------ coordination
+
+    def _task_exists(self, key) -> bool:
+        return key in self.state.tasks
+
+    def _coordinate(self, client_id: str, msg: dict) -> None:
+        """A message of a coordination primitive (Variable, Queue, Lock, ...)."""
+        try:
+            effects = self.coordination.handle(client_id, msg, time.monotonic())
+        except Exception:
+            logger.exception("BUG: coordination message %r from %s", msg.get("op"), client_id)
+            return
+        self._apply_coordination(effects)
+
+    def _apply_coordination(self, effects: list) -> None:
+        """Carry out what `Coordination` returned, in order; re-arm its timer."""
+        for effect in effects:
+            if effect[0] == "send":
+                _, client_id, msg = effect
+                if "error" in msg:
+                    logger.warning("refused %r from %s: %s", msg.get("request", "request"),
+                                   client_id, msg["error"])
+                comm = self.client_comms.get(client_id)
+                if comm is not None:
+                    _send_quietly(comm, msg)
+            elif effect[0] == "hold":
+                self._stimulus(COORDINATION_CLIENT, "coordination-hold",
+                               self.state.client_desires_keys, COORDINATION_CLIENT, effect[1])
+            else:
+                self._stimulus(COORDINATION_CLIENT, "coordination-drop",
+                               self.state.client_releases_keys, COORDINATION_CLIENT, effect[1])
+        self._arm_coordination_timer()
+
+    def _arm_coordination_timer(self) -> None:
+        deadline = self.coordination.next_deadline()
+        timer = self._coordination_timer
+        if deadline is None or (timer is not None and self._coordination_when <= deadline):
+            return
+        if timer is not None:
+            timer.cancel()
+        delay = max(deadline - time.monotonic(), 0.0)
+        self._coordination_when = deadline
+        self._coordination_timer = asyncio.get_running_loop().call_later(
+            delay, self._coordination_expire)
+
+    def _coordination_expire(self) -> None:
+        self._coordination_timer = None
+        self._apply_coordination(self.coordination.expire(time.monotonic()))
 
     def _who_has(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.state.who_has(_keys(msg)))
