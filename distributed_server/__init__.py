@@ -7,11 +7,13 @@ from distributed_core import COMPILED, __version__
 
 from .client import CancelledError, Client, Future, as_completed, wait
 from .cluster import LocalCluster
+from .primitives import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
 from .scheduler import Scheduler
 from .security import Security, SecurityError
 from .worker import Worker
 
 __all__ = [
-    "COMPILED", "CancelledError", "Client", "Future", "LocalCluster", "Scheduler", "Security",
-    "SecurityError", "Worker", "__version__", "as_completed", "wait",
+    "COMPILED", "CancelledError", "Client", "Event", "Future", "LocalCluster", "Lock", "Pub",
+    "Queue", "Scheduler", "Security", "SecurityError", "Semaphore", "Sub", "Variable",
+    "Worker", "__version__", "as_completed", "wait",
 ]

@@ -597,6 +597,9 @@ class Scheduler:
         except Exception:
             logger.exception("BUG: coordination message %r from %s", msg.get("op"), client_id)
             return
+        if len(effects) == 1 and "error" in effects[0][-1]:  # refused: nothing changed
+            logger.warning("refused %r from %s: %s", msg["op"], client_id,
+                           effects[0][-1]["error"])
         self._apply_coordination(effects)
 
     def _apply_coordination(self, effects: list) -> None:
@@ -604,9 +607,6 @@ class Scheduler:
         for effect in effects:
             if effect[0] == "send":
                 _, client_id, msg = effect
-                if "error" in msg:
-                    logger.warning("refused %r from %s: %s", msg.get("request", "request"),
-                                   client_id, msg["error"])
                 comm = self.client_comms.get(client_id)
                 if comm is not None:
                     _send_quietly(comm, msg)
