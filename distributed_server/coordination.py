@@ -184,6 +184,11 @@ def _fail(text: str):
     raise CoordinationError(text)
 
 
+def _check(condition: bool, text: str) -> None:
+    if not condition:
+        raise AssertionError(f"coordination state: {text}")
+
+
 def _reqid(msg: dict) -> int:
     reqid = msg.get("reqid")
     if type(reqid) is not int or not 0 <= reqid < 2**63:
@@ -350,8 +355,9 @@ class Coordination:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
-    def restarted(self, still_wanted: set) -> None:
-        """The cluster restarted: the pseudo-client wants only ``still_wanted`` now.
+    def keys_lost(self, still_wanted: set) -> None:
+        """The pseudo-client wants only ``still_wanted`` now (the cluster restarted, or a
+        client cancelled keys with ``force``).
 
         Stored values keep their bytes (a Future in them will be cancelled when a client
         receives it, unless its key exists again by then), but hold no other key."""
@@ -368,6 +374,53 @@ class Coordination:
             for keys in record.handoffs.values():
                 for key in keys:
                     self.held[key] = self.held.get(key, 0) + 1
+
+    def validate(self) -> None:
+        """Check the bookkeeping (validating schedulers, tests): held keys and bytes are
+        those of the stored values and handoffs, every parked request is where its
+        client's record says, no empty record is kept. Raises AssertionError."""
+        held: dict = {}
+        nbytes = 0
+        for value in self._stored_values():
+            nbytes += value.nbytes
+            for key in value.keys:
+                held[key] = held.get(key, 0) + 1
+        for record in self.clients.values():
+            for keys in record.handoffs.values():
+                for key in keys:
+                    held[key] = held.get(key, 0) + 1
+        _check(held == self.held, f"held keys {self.held} != counted {held}")
+        _check(nbytes == self.total_bytes, f"total bytes {self.total_bytes} != {nbytes}")
+        containers = [*self.variable_waiters.values()]
+        for queue in self.queues.values():
+            _check(bool(queue.items or queue.getters or queue.putters), "an empty queue")
+            containers += [queue.getters, queue.putters]
+        for table in (self.locks, self.semaphores):
+            for pool in table.values():
+                _check(pool.total == sum(pool.leases.values()) == sum(pool.by_client.values())
+                       and pool.total <= pool.max_leases, "lease counts disagree")
+                _check(bool(pool.total or pool.waiters), "an empty lease pool")
+                _check(not pool.waiters or pool.total == pool.max_leases, "a pool with "
+                       "free leases has waiters")
+                containers.append(pool.waiters)
+        for event in self.events.values():
+            _check(event.is_set or bool(event.waiters), "an empty event")
+            _check(not (event.is_set and event.waiters), "waiters on a set event")
+            containers.append(event.waiters)
+        for subs in self.topics.values():
+            _check(bool(subs), "an empty topic")
+            for sub in subs.values():
+                _check(self.clients[sub.client].subs[sub.sub_id] is sub, "a lost subscription")
+                containers.append(sub.waiters)
+        parked = [w for container in containers for w in container.values()]
+        _check(all(w.active and self.clients[w.client].waiting[w.reqid] is w for w in parked),
+               "a parked request its client's record does not know")
+        _check(len(parked) == sum(len(r.waiting) for r in self.clients.values()),
+               "a client's record knows a request no primitive holds")
+        _check(self._timed == sum(w.deadline is not None for w in parked),
+               "the count of requests with a deadline is off")
+        _check(not self.variable_waiters.keys() & self.variables.keys(),
+               "waiters on a set variable")
 
     def summary(self) -> dict:
         """How much the primitives hold now (counts only; O(1))."""

@@ -104,6 +104,7 @@ class Scheduler:
         check_listen_security(host, self.security, insecure, "scheduler")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
                                     allowed_failures=allowed_failures, clock=time.time)
+        self.validate = validate
         self.host = host
         self.port = port
         self.worker_ttl = worker_ttl
@@ -464,8 +465,10 @@ class Scheduler:
                        msg.get("keys"))
 
     def _cancel(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "cancel", self.state.cancel, client_id, msg.get("keys"),
-                       force=msg.get("force", False) is True)
+        force = msg.get("force", False) is True
+        if self._stimulus(client_id, "cancel", self.state.cancel, client_id, msg.get("keys"),
+                          force=force) and force and self.coordination.held:
+            self._coordination_keys_lost()  # the pseudo-client's wants may be gone too
 
     def _retry(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "retry", self.state.retry, client_id, msg.get("keys"))
@@ -513,9 +516,7 @@ class Scheduler:
                 return
             n_before, mark = len(self.state.workers), self._registrations
             forgotten = await self._forget_everything(client_id)
-            pseudo = self.state.clients.get(COORDINATION_CLIENT)
-            self.coordination.restarted(
-                {ts.key for ts in pseudo.wants_what} if pseudo is not None else set())
+            self._coordination_keys_lost()
             if not forgotten:
                 self._reply_failure(client_id, reqid, "restart: the scheduler could not "
                                                       "forget its tasks (see its log)")
@@ -616,7 +617,31 @@ class Scheduler:
             else:
                 self._stimulus(COORDINATION_CLIENT, "coordination-drop",
                                self.state.client_releases_keys, COORDINATION_CLIENT, effect[1])
+        if self.validate:
+            self._validate_coordination()
         self._arm_coordination_timer()
+
+    def _coordination_keys_lost(self) -> None:
+        """Tell the primitives which keys the pseudo-client still wants (after a restart
+        or a forced cancel dropped some of its wants)."""
+        pseudo = self.state.clients.get(COORDINATION_CLIENT)
+        self.coordination.keys_lost(
+            {ts.key for ts in pseudo.wants_what} if pseudo is not None else set())
+        if self.validate:
+            self._validate_coordination()
+
+    def _validate_coordination(self) -> None:
+        """Validation mode: the primitives' bookkeeping is consistent, and the
+        pseudo-client wants exactly the keys they hold (except during a restart)."""
+        try:
+            self.coordination.validate()
+            pseudo = self.state.clients.get(COORDINATION_CLIENT)
+            wanted = {ts.key for ts in pseudo.wants_what} if pseudo is not None else set()
+            if not self._restarting and wanted != set(self.coordination.held):
+                raise AssertionError(f"the pseudo-client wants {bounded_repr(wanted)}, the "
+                                     f"primitives hold {bounded_repr(self.coordination.held)}")
+        except AssertionError:
+            logger.exception("BUG: the coordination state is invalid")
 
     def _arm_coordination_timer(self) -> None:
         deadline = self.coordination.next_deadline()

@@ -26,10 +26,12 @@ class Driver:
 
     def __call__(self, client: str, op: str, **fields) -> list:
         self.reqid += 1
-        return self.coord.handle(client, {"op": op, "reqid": self.reqid, **fields}, self.now)
+        return self.raw(client, {"op": op, "reqid": self.reqid, **fields})
 
     def raw(self, client: str, msg: dict) -> list:
-        return self.coord.handle(client, msg, self.now)
+        effects = self.coord.handle(client, msg, self.now)
+        self.coord.validate()
+        return effects
 
 
 def replies(effects: list) -> list:
@@ -96,6 +98,7 @@ def test_a_parked_request_times_out_at_its_deadline():
     assert coord.next_deadline() == 102.5
     assert coord.expire(102.4) == []
     assert replies(coord.expire(102.5)) == [("b", {"status": "timed-out"})]
+    coord.validate()
     assert coord.next_deadline() is None and not coord.variable_waiters
     assert replies(send("b", "variable-get", name="v", timeout=0)) == [
         ("b", {"status": "timed-out"})]
@@ -159,6 +162,7 @@ def test_the_lock_goes_to_waiters_in_order_and_a_departed_client_releases_it():
     assert send("c", "lock-acquire", name="L", holder="h3") == []
     b_request = send.reqid - 1
     effects = coord.client_gone("a")
+    coord.validate()
     assert effects == [("send", "b", {"op": "reply", "reqid": b_request,
                                       "result": {"status": "ok"}})]
     assert replies(send("c", "lock-locked", name="L")) == [
@@ -310,6 +314,7 @@ def test_a_departed_client_leaves_nothing_behind():
     send("a", "variable-set", name="v", value=b"v", keys=["k2"])
     send("b", "variable-get", name="v")  # an unconfirmed handoff
     effects = coord.client_gone("b")
+    coord.validate()
     assert keys_effects(effects) == [("drop", ["('x', 0)"])]  # k1 stays queued
     assert coord.held == {"k1": 1, "k2": 1}
     assert set(coord.queues) == {"q"} and not coord.locks and not coord.semaphores
@@ -320,6 +325,6 @@ def test_after_a_restart_values_hold_only_keys_still_wanted():
     coord = make()
     send = Driver(coord)
     send("a", "variable-set", name="v", value=b"v", keys=["k1", "k2"])
-    coord.restarted({"k2"})
+    coord.keys_lost({"k2"})
     assert coord.variables["v"].keys == ("k2",) and coord.held == {"k2": 1}
     assert keys_effects(send("a", "variable-delete", name="v")) == [("drop", ["k2"])]
