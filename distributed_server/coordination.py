@@ -69,8 +69,8 @@ class CoordinationLimits:
     max_names: int = 10_000
     #: Items in one queue (its ``maxsize`` may be lower).
     max_queue_items: int = 100_000
-    #: Futures inside one value.
-    max_keys_per_value: int = 10_000
+    #: Futures inside one value (a persisted collection of as many chunks).
+    max_keys_per_value: int = 100_000
     #: Requests one client may have waiting at once.
     max_waiting_per_client: int = 10_000
     #: Messages one subscription buffers; past it the oldest are dropped (and counted).

@@ -24,6 +24,7 @@ Sync and async: with an asynchronous client the methods return awaitables.
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import functools
 import itertools
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 #: The most bytes one pickled value may have (the scheduler's default limit).
 MAX_VALUE_BYTES = CoordinationLimits().max_value_bytes
+#: The most Futures' keys one value may hold (the scheduler's default limit).
+MAX_KEYS_PER_VALUE = CoordinationLimits().max_keys_per_value
 _sub_ids = itertools.count()
 
 
@@ -65,7 +68,11 @@ def dumps_value(value, where: str) -> tuple:
         raise ValueError(f"{where}: the value is {len(data):,} bytes pickled; a primitive "
                          f"holds at most {MAX_VALUE_BYTES:,} bytes per value (share large "
                          "data as a Future: scatter it, then put the Future in)")
-    return (Blob(data) if len(data) >= BLOB_MIN_BYTES else data), list(dict.fromkeys(keys))
+    keys = list(dict.fromkeys(keys))
+    if len(keys) > MAX_KEYS_PER_VALUE:
+        raise ValueError(f"{where}: the value holds Futures of {len(keys):,} keys; a "
+                         f"primitive's value may hold at most {MAX_KEYS_PER_VALUE:,}")
+    return (Blob(data) if len(data) >= BLOB_MIN_BYTES else data), keys
 
 
 def loads_value(data, client):
@@ -75,6 +82,16 @@ def loads_value(data, client):
         return pickle.loads(data)
     finally:
         _unpickling_client.reset(token)
+
+
+async def _graphs_sent(client, keys: list) -> None:
+    """Before a value naming ``keys`` goes out: wait for the dask graphs an asynchronous
+    client is still sending in the background (they may define those keys, and the
+    scheduler refuses a value holding Futures of keys it does not know)."""
+    sends = list(getattr(client, "_background_sends", ())) if keys else []
+    if sends:
+        await asyncio.wait([s if isinstance(s, asyncio.Future) else asyncio.wrap_future(s)
+                            for s in sends])
 
 
 def _confirm(client, result: dict) -> None:
@@ -202,6 +219,7 @@ class Variable(_Primitive):
         return self._call(self._set, data, keys)
 
     async def _set(self, data, keys) -> None:
+        await _graphs_sent(self.client, keys)
         await self._ask("variable-set", value=data, keys=keys)
 
     def get(self, timeout=None):
@@ -253,6 +271,7 @@ class Queue(_Primitive):
         return self._call(self._put, data, keys, _seconds(timeout))
 
     async def _put(self, data, keys, timeout) -> None:
+        await _graphs_sent(self.client, keys)
         result = await self._ask("queue-put", _ignore, value=data, keys=keys,
                                  timeout=timeout, maxsize=self.maxsize)
         if result["status"] != "ok":

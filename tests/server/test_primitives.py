@@ -219,6 +219,26 @@ def test_primitives_with_asynchronous_clients(cluster):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_an_async_client_shares_a_collection_whose_graph_is_still_being_sent(cluster):
+    """An asynchronous client sends a persisted dask collection's graph in the
+    background; a Variable set right after waits for it (its Futures' keys must be
+    known), and another client computes with the collection it gets."""
+    da = pytest.importorskip("dask.array")
+
+    async def main():
+        async with Client(cluster.address, security=cluster.security, asynchronous=True,
+                          set_as_default=False) as c1, \
+                Client(cluster.address, security=cluster.security, asynchronous=True,
+                       set_as_default=False) as c2:
+            persisted = c1.persist(da.ones(300, chunks=1))
+            await Variable("collection", client=c1).set(persisted)
+            got = await Variable("collection", client=c2).get(timeout=30)
+            assert await c2.compute(got.sum()) == 300
+            await Variable("collection", client=c1).delete()
+
+    asyncio.run(asyncio.wait_for(main(), 80))
+
+
 # ---------------------------------------------------------------------------- futures inside
 
 
