@@ -140,8 +140,8 @@ class Scheduler:
             "heartbeat": self._client_heartbeat,
             "restart": self._restart,
         }
+        # (the core registers the pseudo-client COORDINATION_CLIENT at its first want)
         self.coordination = Coordination(self._task_exists, coordination_limits)
-        self.state.add_client(COORDINATION_CLIENT, "coordination-start")
         self._coordination_timer: asyncio.TimerHandle | None = None
         self._coordination_when = 0.0
         for op in COORDINATION_OPS:
