@@ -140,7 +140,7 @@ def _check_name(name, kind: str) -> str:
     return name
 
 
-def _status(result: dict, what: str, timeout) -> bool:
+def _served(result: dict, what: str) -> bool:
     """True if the request was served, False if it timed out; raises if it was closed."""
     status = result["status"]
     if status == "ok":
@@ -148,10 +148,6 @@ def _status(result: dict, what: str, timeout) -> bool:
     if status == "closed":
         raise RuntimeError(f"{what} was closed while waiting")
     return False
-
-
-def _timed_out(what: str, timeout) -> TimeoutError:
-    return TimeoutError(f"{what}: nothing after {timeout} s")
 
 
 # ---------------------------------------------------------------------------- shared base
@@ -348,7 +344,7 @@ class Semaphore(_Primitive):
                                  {"name": self.name, "holder": self.id})
         result = await self._ask(f"{self._kind}-acquire", undo, timeout=timeout,
                                  **self._fields())
-        if _status(result, repr(self), timeout):
+        if _served(result, repr(self)):
             self._leases += 1
             return True
         return False
@@ -458,8 +454,7 @@ class Event(_Primitive):
         return self._call(self._wait, _seconds(timeout))
 
     async def _wait(self, timeout) -> bool:
-        return _status(await self._ask("event-wait", _ignore, timeout=timeout), repr(self),
-                       timeout)
+        return _served(await self._ask("event-wait", _ignore, timeout=timeout), repr(self))
 
     def is_set(self):
         """Whether the flag is set now."""
@@ -508,7 +503,7 @@ class Sub(_Primitive):
     def __init__(self, name: str, client=None) -> None:
         super().__init__(name, client)
         self.sub_id = next(_sub_ids)
-        self._closed = False
+        self._closed = True  # until the scheduler took the subscription
         client = self.client
         if client.asynchronous:
             self._started = client._loop.create_task(self._subscribe())
@@ -518,6 +513,7 @@ class Sub(_Primitive):
 
     async def _subscribe(self) -> None:
         await self._ask("sub-subscribe", sub_id=self.sub_id)
+        self._closed = False
 
     def __await__(self):
         async def started():
@@ -536,7 +532,7 @@ class Sub(_Primitive):
         client = self.client
         result = await client._request("sub-get", functools.partial(_confirm, client),
                                        sub_id=self.sub_id, timeout=timeout)
-        if not _status(result, repr(self), timeout):
+        if not _served(result, repr(self)):
             raise TimeoutError(f"Sub {self.name!r} received nothing within {timeout} s")
         if result.get("dropped"):
             logger.warning("Sub %r missed %d messages: its buffer at the scheduler was full",

@@ -27,6 +27,7 @@ from distributed_server import (
     Lock,
     Pub,
     Queue,
+    Scheduler,
     Semaphore,
     Sub,
     Variable,
@@ -438,3 +439,24 @@ def test_an_oversized_value_is_refused_and_changes_nothing(a, b):
     assert Variable("sized", client=b).get() == "small"
     assert Queue("sized", client=b).qsize() == 0
     variable.delete()
+
+
+def test_the_scheduler_holds_no_more_than_its_limits_allow():
+    """A scheduler with small limits: a value past the total refused, nothing changed."""
+    from distributed_server.coordination import CoordinationLimits
+
+    async def main():
+        limits = CoordinationLimits(max_total_bytes=1000, max_names=2)
+        async with Scheduler(validate=True, coordination_limits=limits) as scheduler:
+            async with Client(scheduler.address, asynchronous=True,
+                              set_as_default=False) as client:
+                await Variable("first", client=client).set(b"x" * 600)
+                with pytest.raises(SchedulerError, match="does not fit"):
+                    await Variable("second", client=client).set(b"y" * 600)
+                await Variable("second", client=client).set(b"small")
+                with pytest.raises(SchedulerError, match="holds 2 variables, the most"):
+                    await Variable("third", client=client).set(1)
+                assert await Variable("first", client=client).get() == b"x" * 600
+                assert scheduler.coordination.summary()["variables"] == 2
+
+    asyncio.run(asyncio.wait_for(main(), 30))
