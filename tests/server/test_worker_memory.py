@@ -124,6 +124,8 @@ def test_the_monitor_spills_past_spill_and_pauses_past_pause_then_resumes(tmp_pa
     assert monitor.check() is None and data.spilled_count == 0
     readings.append(75 * MiB)  # over spill: about 15 MiB must go, there are 10
     assert monitor.check() is None
+    while monitor.behind:  # a slow disk ran the slice out of time: the worker checks again
+        assert monitor.check() is None
     assert data.spilled_count == 10 and not data.buffer.fast
     readings.append(85 * MiB)
     assert monitor.check() is True and monitor.paused
