@@ -104,7 +104,7 @@ class Scheduler:
         check_listen_security(host, self.security, insecure, "scheduler")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
                                     allowed_failures=allowed_failures, clock=time.time)
-        self.validate = validate
+        self._validate = validate  # also check the coordination state after its messages
         self.host = host
         self.port = port
         self.worker_ttl = worker_ttl
@@ -617,7 +617,7 @@ class Scheduler:
             else:
                 self._stimulus(COORDINATION_CLIENT, "coordination-drop",
                                self.state.client_releases_keys, COORDINATION_CLIENT, effect[1])
-        if self.validate:
+        if self._validate:
             self._validate_coordination()
         self._arm_coordination_timer()
 
@@ -627,7 +627,7 @@ class Scheduler:
         pseudo = self.state.clients.get(COORDINATION_CLIENT)
         self.coordination.keys_lost(
             {ts.key for ts in pseudo.wants_what} if pseudo is not None else set())
-        if self.validate:
+        if self._validate:
             self._validate_coordination()
 
     def _validate_coordination(self) -> None:
