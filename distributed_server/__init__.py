@@ -21,15 +21,17 @@ from .cluster import LocalCluster
 from .introspection import StoryEntry, WorkerSilent
 from .performance_report import performance_report
 from .progress import progress
+from .primitives import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
 from .scheduler import Scheduler
 from .security import Security, SecurityError
 from .worker import Worker
 from .worker_client import get_client, get_worker, rejoin, secede, worker_client
 
 __all__ = [
-    "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "FIRST_COMPLETED",
-    "FIRST_EXCEPTION", "Future", "LocalCluster", "Scheduler", "Security", "SecurityError",
-    "StoryEntry", "Worker", "WorkerSilent", "__version__", "as_completed", "fire_and_forget",
-    "futures_of", "get_client", "get_worker", "performance_report", "progress", "rejoin",
-    "secede", "wait", "worker_client",
+    "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "Event", "FIRST_COMPLETED",
+    "FIRST_EXCEPTION", "Future", "LocalCluster", "Lock", "Pub", "Queue", "Scheduler",
+    "Security", "SecurityError", "Semaphore", "StoryEntry", "Sub", "Variable", "Worker",
+    "WorkerSilent", "__version__", "as_completed", "fire_and_forget", "futures_of",
+    "get_client", "get_worker", "performance_report", "progress", "rejoin", "secede", "wait",
+    "worker_client",
 ]

@@ -631,17 +631,33 @@ class Client:
             raise SchedulerConnectionError(f"{self.id} is {self.status}: it cannot reach the "
                                            f"scheduler at {self.scheduler_address}")
 
-    async def _request(self, op: str, **fields):
-        """Send a request on the scheduler stream and wait for its ``reply``."""
+    async def _request(self, op: str, on_abandon: Callable | None = None, **fields):
+        """Send a request on the scheduler stream and wait for its ``reply``.
+
+        With ``on_abandon`` (requests the scheduler may park: coordination primitives), a
+        caller that stops waiting (cancelled, interrupted) makes the client send
+        ``abandon-request`` and, once the reply comes anyway, call
+        ``on_abandon(result)`` to undo what it granted (a lock acquired meanwhile)."""
         self._check_running()
         reqid = next(self._reqids)
         reply = self._loop.create_future()
         self._replies[reqid] = reply
+        abandoned = False
         try:
             self._send_on_loop({"op": op, "reqid": reqid, **fields})
-            return await reply
+            if on_abandon is None:
+                return await reply
+            return await asyncio.shield(reply)
+        except asyncio.CancelledError:
+            if on_abandon is not None:
+                abandoned = True
+                if not reply.done():
+                    self._send_on_loop({"op": "abandon-request", "reqid": reqid})
+                reply.add_done_callback(functools.partial(_undo_abandoned, on_abandon))
+            raise
         finally:
-            self._replies.pop(reqid, None)
+            if not abandoned:
+                self._replies.pop(reqid, None)
 
     # ------------------------------------------------------------ registering keys
 
@@ -1688,6 +1704,16 @@ def _futures_scheduler(client: Client, options: dict, dsk, keys, **kwargs) -> li
 
 def _same_error(error: BaseException) -> BaseException:
     return error
+
+
+def _undo_abandoned(on_abandon: Callable, reply: asyncio.Future) -> None:
+    """The reply of a request its caller gave up on: undo what it granted."""
+    if reply.cancelled() or reply.exception() is not None:
+        return
+    try:
+        on_abandon(reply.result())
+    except Exception:
+        logger.exception("undoing the abandoned request %r failed", on_abandon)
 
 
 def _log_background_failure(task) -> None:

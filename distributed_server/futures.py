@@ -8,6 +8,11 @@ What this module does
   methods (``_hold_key``, ``_sync``, ``_result``, ``_release_later``, ...), so this module
   never imports `distributed_server.client`.
 - `wait` and `as_completed` work on futures of one client, sync or async.
+- A Future pickles only inside a value that a coordination primitive carries
+  (`distributed_server.primitives`): there it records its key (``_pickled_keys``) and
+  unpickles as a Future of the same key on the receiving client (``_unpickling_client``,
+  else the default client), which then wants the key. Anywhere else pickling a Future
+  raises TypeError: a task argument is the way to hand a task a Future's result.
 - `default_client` is the client a ``Future(key)`` made without one attaches to: the
   most recent `Client` made with ``set_as_default=True`` and still open (the client
   registers and forgets itself here).
@@ -34,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextvars
 import functools
 import pickle
 import threading
@@ -286,8 +292,13 @@ class Future:
             self.client._release_later(self._state)
 
     def __reduce__(self):
-        raise TypeError("a Future cannot be pickled: pass it in a task's arguments (also "
-                        "inside lists, tuples, sets and dicts) and the task gets its result")
+        keys = _pickled_keys.get()
+        if keys is None:
+            raise TypeError("a Future cannot be pickled: pass it in a task's arguments (also "
+                            "inside lists, tuples, sets and dicts) and the task gets its "
+                            "result, or share it through a Variable, a Queue or Pub/Sub")
+        keys.append(self.key)
+        return (_future_of_key, (self.key,))
 
     def __dask_tokenize__(self):
         return ("distributed_server.Future", self.key)
@@ -296,6 +307,29 @@ class Future:
         state = self._state
         kind = f", type: {state.type_name}" if state.status == FINISHED and state.type_name else ""
         return f"<Future: {state.status}{kind}, key: {state.key!r}>"
+
+
+# ---------------------------------------------------------------------------- pickled futures
+
+#: While a primitive pickles a value: the list that collects the keys of its Futures.
+_pickled_keys: contextvars.ContextVar = contextvars.ContextVar("dcore_pickled_keys",
+                                                               default=None)
+#: While a primitive unpickles a value: the client its Futures belong to.
+_unpickling_client: contextvars.ContextVar = contextvars.ContextVar("dcore_unpickling_client",
+                                                                    default=None)
+
+
+def _future_of_key(key) -> Future:
+    """A pickled Future, unpickled: a Future of the same key on the receiving client
+    (which asks the scheduler for the key if it did not hold it)."""
+    client = _unpickling_client.get()
+    if client is None:
+        try:
+            client = default_client()
+        except ValueError:
+            raise ValueError(f"a Future of {key!r} was unpickled where no client is open: "
+                             "create a Client first") from None
+    return Future(key, client)
 
 
 # ---------------------------------------------------------------------------- default client

@@ -21,6 +21,12 @@ scheduler told which workers they supervise. A client's ``restart`` forgets ever
 every nanny to restart its workers, and answers once as many workers as before have
 registered again, or after the request's timeout. It is refused, with nothing changed,
 while any worker has no nanny (it could not come back).
+
+The coordination primitives' state (`distributed_server.coordination`: variables,
+queues, locks, semaphores, events, pub/sub) is held by composition too: their client
+messages go to `Coordination.handle`, a client's departure to ``client_gone``, and a
+timer to ``expire``; the effects that come back are replies to send and task keys the
+pseudo-client ``coordination`` starts or stops wanting (core stimuli).
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __versio
 
 from . import config, introspection, logs
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
+from .coordination import COORDINATION_CLIENT, OPS as COORDINATION_OPS
+from .coordination import Coordination, CoordinationLimits
 from .loop_lag import LoopLagMonitor
 from .security import Security, check_listen_security
 from .task_stream import TaskStream
@@ -99,6 +107,8 @@ class Scheduler:
     ``/metrics`` (`distributed_server.dashboard`); None (the default here; ``dcore
     scheduler`` serves on 8787) starts none. A busy port gives way to a free one, with a
     warning; ``dashboard_url`` tells where it is.
+    ``coordination_limits`` bounds what the coordination primitives may hold
+    (`CoordinationLimits`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -107,7 +117,8 @@ class Scheduler:
                  validate: bool = False, worker_saturation: float | None = None,
                  allowed_failures: int | None = None,
                  client_idle_timeout: float | None = None,
-                 max_connections: int | None = None, dashboard_address=None):
+                 max_connections: int | None = None, dashboard_address=None,
+                 coordination_limits: CoordinationLimits | None = None):
         worker_ttl = config.get("scheduler.worker-ttl", worker_ttl)
         worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
         allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
@@ -123,6 +134,7 @@ class Scheduler:
             check_listen_security(dashboard_host, self.security, insecure, "dashboard")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
                                     allowed_failures=allowed_failures, clock=time.time)
+        self._validate = validate  # also check the coordination state after its messages
         self.host = host
         self.port = port
         self.worker_ttl = worker_ttl
@@ -177,6 +189,12 @@ class Scheduler:
             "worker-logs": self._worker_logs,
             "task-stream": self._task_stream,
         }
+        # (the core registers the pseudo-client COORDINATION_CLIENT at its first want)
+        self.coordination = Coordination(self._task_exists, coordination_limits)
+        self._coordination_timer: asyncio.TimerHandle | None = None
+        self._coordination_when = 0.0
+        for op in COORDINATION_OPS:
+            self._client_handlers[op] = self._coordinate
 
     def __repr__(self):
         return (f"<Scheduler {self.address or 'not started'} workers={len(self.worker_comms)}"
@@ -223,6 +241,8 @@ class Scheduler:
         if self._ttl_task is not None:
             self._ttl_task.cancel()
         self.loop_lag.stop()
+        if self._coordination_timer is not None:
+            self._coordination_timer.cancel()
         if self._listener is not None:
             await self._listener.stop()
         comms = list(self.client_comms.values())
@@ -339,7 +359,8 @@ class Scheduler:
     async def _serve_client(self, comm) -> None:
         client_id = comm.extra.get("client_id")
         if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID \
-                or not client_id.isprintable() or client_id in self.client_comms:
+                or not client_id.isprintable() or client_id in self.client_comms \
+                or client_id == COORDINATION_CLIENT:
             text = f"bad or duplicate client_id {bounded_repr(client_id, 100)}"
             logger.warning("refusing client from %s: %s", comm.peer_address, text)
             await _refuse(comm, text)
@@ -353,6 +374,7 @@ class Scheduler:
         finally:
             del self.client_comms[client_id]
             self.client_last_seen.pop(client_id, None)
+            self._apply_coordination(self.coordination.client_gone(client_id))
             self._stimulus(client_id, "remove-client", self.state.remove_client, client_id)
             logger.info("client %s left", client_id)
 
@@ -543,6 +565,7 @@ class Scheduler:
         so the client tells it from a cancel by someone else (``force``)."""
         reqid = msg.get("reqid")
         _require(reqid is None or type(reqid) is int, "cancel: reqid must be an int")
+        force = msg.get("force", False) is True
 
         def cancel(*args, **kwargs):
             client_msgs, worker_msgs = self.state.cancel(*args, **kwargs)
@@ -552,8 +575,9 @@ class Scheduler:
                         reply["reqid"] = reqid
             return client_msgs, worker_msgs
 
-        self._stimulus(client_id, "cancel", cancel, client_id, msg.get("keys"),
-                       force=msg.get("force", False) is True)
+        if self._stimulus(client_id, "cancel", cancel, client_id, msg.get("keys"),
+                          force=force) and force and self.coordination.held:
+            self._coordination_keys_lost()  # the pseudo-client's wants may be gone too
 
     def _retry(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "retry", self.state.retry, client_id, msg.get("keys"))
@@ -600,7 +624,9 @@ class Scheduler:
                 self._restarting = False
                 return
             n_before, mark = len(self.state.workers), self._registrations
-            if not await self._forget_everything(client_id):
+            forgotten = await self._forget_everything(client_id)
+            self._coordination_keys_lost()
+            if not forgotten:
                 self._reply_failure(client_id, reqid, "restart: the scheduler could not "
                                                       "forget its tasks (see its log)")
                 self._restarting = False
@@ -765,6 +791,79 @@ class Scheduler:
         comm = self.client_comms.get(client_id)
         if comm is not None:
             _send_quietly(comm, {"op": "reply", "reqid": reqid, "error": text})
+
+    # ------------------------------------------------------------------ coordination
+
+    def _task_exists(self, key) -> bool:
+        return key in self.state.tasks
+
+    def _coordinate(self, client_id: str, msg: dict) -> None:
+        """A message of a coordination primitive (Variable, Queue, Lock, ...)."""
+        try:
+            effects = self.coordination.handle(client_id, msg, time.monotonic())
+        except Exception:
+            logger.exception("BUG: coordination message %r from %s", msg.get("op"), client_id)
+            return
+        if len(effects) == 1 and "error" in effects[0][-1]:  # refused: nothing changed
+            logger.warning("refused %r from %s: %s", msg["op"], client_id,
+                           effects[0][-1]["error"])
+        self._apply_coordination(effects)
+
+    def _apply_coordination(self, effects: list) -> None:
+        """Carry out what `Coordination` returned, in order; re-arm its timer."""
+        for effect in effects:
+            if effect[0] == "send":
+                _, client_id, msg = effect
+                comm = self.client_comms.get(client_id)
+                if comm is not None:
+                    _send_quietly(comm, msg)
+            elif effect[0] == "hold":
+                self._stimulus(COORDINATION_CLIENT, "coordination-hold",
+                               self.state.client_desires_keys, COORDINATION_CLIENT, effect[1])
+            else:
+                self._stimulus(COORDINATION_CLIENT, "coordination-drop",
+                               self.state.client_releases_keys, COORDINATION_CLIENT, effect[1])
+        if self._validate:
+            self._validate_coordination()
+        self._arm_coordination_timer()
+
+    def _coordination_keys_lost(self) -> None:
+        """Tell the primitives which keys the pseudo-client still wants (after a restart
+        or a forced cancel dropped some of its wants)."""
+        pseudo = self.state.clients.get(COORDINATION_CLIENT)
+        self.coordination.keys_lost(
+            {ts.key for ts in pseudo.wants_what} if pseudo is not None else set())
+        if self._validate:
+            self._validate_coordination()
+
+    def _validate_coordination(self) -> None:
+        """Validation mode: the primitives' bookkeeping is consistent, and the
+        pseudo-client wants exactly the keys they hold (except during a restart)."""
+        try:
+            self.coordination.validate()
+            pseudo = self.state.clients.get(COORDINATION_CLIENT)
+            wanted = {ts.key for ts in pseudo.wants_what} if pseudo is not None else set()
+            if not self._restarting and wanted != set(self.coordination.held):
+                raise AssertionError(f"the pseudo-client wants {bounded_repr(wanted)}, the "
+                                     f"primitives hold {bounded_repr(self.coordination.held)}")
+        except AssertionError:
+            logger.exception("BUG: the coordination state is invalid")
+
+    def _arm_coordination_timer(self) -> None:
+        deadline = self.coordination.next_deadline()
+        timer = self._coordination_timer
+        if deadline is None or (timer is not None and self._coordination_when <= deadline):
+            return
+        if timer is not None:
+            timer.cancel()
+        delay = max(deadline - time.monotonic(), 0.0)
+        self._coordination_when = deadline
+        self._coordination_timer = asyncio.get_running_loop().call_later(
+            delay, self._coordination_expire)
+
+    def _coordination_expire(self) -> None:
+        self._coordination_timer = None
+        self._apply_coordination(self.coordination.expire(time.monotonic()))
 
     def _who_has(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, self.state.who_has(_keys(msg)))

@@ -11,7 +11,9 @@ loop in a background thread. Examples throw at them:
   types and half-plausible graphs, plus random frame headers on the admitted stream; and
   peers of the worker sending random ``get-data``/``put-data``/``ping`` requests.
 
-After every example the scheduler's state validates, the real worker is still
+Clients also send the coordination primitives' messages (variables, queues, locks, ...).
+After every example the scheduler's state validates (and the primitives' bookkeeping,
+which keeps nothing of a departed client), the real worker is still
 registered, every attacking connection is gone, and nothing was logged at ERROR by
 ``distributed_server`` (a bug, never bad input: DESIGN.md, "Stimuli are transactions").
 At the end an honest round trip (update-graph of one task, computed by the real worker,
@@ -42,6 +44,7 @@ from distributed_server.comm import (
     connect,
     parse_address,
 )
+from distributed_server.coordination import OPS as COORDINATION_OPS
 from distributed_server.scheduler import Scheduler
 from distributed_server.security import Security
 from distributed_server.serialize import Call, dumps_spec
@@ -107,6 +110,8 @@ class Harness:
         assert scheduler._listener.n_open == 1, scheduler._listener
         assert worker._listener.n_open == 0, worker._listener
         scheduler.state.validate_state()
+        scheduler.coordination.validate()
+        assert not scheduler.coordination.clients, scheduler.coordination.clients
 
     def close(self) -> None:
         self.call(self.worker.close())
@@ -189,10 +194,21 @@ FIELDS = {
     "stop": st.floats() | anything,
     "errant_worker": addresses | anything,
     "spec": anything,
+    # coordination primitives
+    "name": st.sampled_from(["n1", "n2"]) | anything,
+    "value": st.sampled_from([pickle.dumps(1), b"opaque"]) | anything,
+    "timeout": st.none() | st.sampled_from([0, 0.01, 0.05]) | anything,
+    "maxsize": st.integers(0, 2) | anything,
+    "batch": st.booleans() | st.integers(1, 2) | anything,
+    "holder": st.sampled_from(["h1", "h2"]) | anything,
+    "max_leases": st.integers(1, 2) | anything,
+    "sub_id": st.integers(0, 2) | anything,
+    "handoff": st.integers(0, 3) | anything,
 }
+COORDINATION_OPS = sorted(COORDINATION_OPS)
 CLIENT_OPS = ["update-graph", "update-data", "release-keys", "desire-keys", "cancel",
               "retry", "who-has", "identity", "heartbeat", "story", "scheduler-logs",
-              "worker-logs", "task-stream"]
+              "worker-logs", "task-stream", *COORDINATION_OPS]
 WORKER_OPS = ["task-finished", "task-erred", "missing-data", "reschedule", "heartbeat",
               "reply"]
 PEER_OPS = ["get-data", "put-data", "ping"]
@@ -252,6 +268,14 @@ PLAUSIBLE = {
     "get-data": {"keys": st.lists(small_keys, max_size=3)},
     "put-data": {"data": st.dictionaries(small_keys, st.just([pickle.dumps(7)]), max_size=2)},
     "ping": {},
+    **{op: {"reqid": st.integers(0, 9), "name": st.sampled_from(["n1", "n2"]),
+            "value": st.sampled_from([pickle.dumps(1), b"opaque"]),
+            "keys": st.lists(small_keys, max_size=2),
+            "timeout": st.none() | st.sampled_from([0, 0.01, 0.05]),
+            "maxsize": st.integers(0, 2), "batch": st.booleans() | st.integers(1, 2),
+            "holder": st.sampled_from(["h1", "h2"]), "max_leases": st.integers(1, 2),
+            "sub_id": st.integers(0, 2), "handoff": st.integers(0, 3)}
+       for op in COORDINATION_OPS},
 }
 
 
