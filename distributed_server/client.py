@@ -1511,6 +1511,12 @@ class Client:
     async def _who_has(self, keys: list) -> dict:
         return await self._request("who-has", keys=keys)
 
+    @property
+    def dashboard_link(self) -> str | None:
+        """The status page's URL when this client's cluster is a `LocalCluster` (given or
+        started here), else None."""
+        return getattr(self.cluster, "dashboard_link", None)
+
     def scheduler_info(self):
         """The scheduler's ``identity``: address, version, compiled, workers (each with
         name, nthreads, nanny, processing, in_memory, nbytes, occupancy and its memory

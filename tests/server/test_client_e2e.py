@@ -325,6 +325,14 @@ def test_fire_and_forget_runs_to_completion_after_the_client_left(cluster, tmp_p
         wait_until_no_tasks(probe)  # done, then forgotten: nothing is held for nobody
 
 
+def test_dashboard_link_comes_from_the_local_cluster(cluster):
+    with Client(cluster, set_as_default=False) as client:
+        assert client.dashboard_link == cluster.dashboard_link
+    with Client(cluster.scheduler_address, security=cluster.security,
+                set_as_default=False) as client:
+        assert client.dashboard_link is None
+
+
 def test_async_client(cluster):
     async def main():
         async with Client(cluster.scheduler_address, asynchronous=True,
