@@ -15,9 +15,11 @@ skip.
 """
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -59,9 +61,13 @@ class Chromium:
              "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
              f"--user-data-dir={profile_dir}", "--window-size=1280,1000", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True)
+            text=True, start_new_session=True)  # its helpers die with it (killpg)
         self.stderr: list = []
-        endpoint = self._devtools_endpoint(timeout=30)
+        try:
+            endpoint = self._devtools_endpoint(timeout=30)
+        except BaseException:
+            self._stop_browser()
+            raise
         self.loop = asyncio.new_event_loop()
         self.ids = iter(range(1, 10**9))
 
@@ -153,12 +159,20 @@ class Chromium:
             self._run(close_ws())
         finally:
             self.loop.close()
-            self.proc.terminate()
+            self._stop_browser()
+
+    def _stop_browser(self) -> None:
+        """Stop Chromium and every helper process it started (its process group)."""
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
             try:
-                self.proc.wait(10)
+                self.proc.wait(wait)
+                break
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                continue
+        with contextlib.suppress(ProcessLookupError):  # helpers that outlived the parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture
