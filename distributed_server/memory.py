@@ -11,6 +11,12 @@ be back under ``target``; past ``pause`` × limit it asks the worker to start no
 until memory falls back under it. Past ``terminate`` the nanny kills and restarts the
 process (nanny.py). The defaults are dask's: 0.6, 0.7, 0.8 and 0.95.
 
+Executor threads can make results faster than a reading every `MONITOR_INTERVAL` sees
+them (a 1-thread worker holds dozens of queued tasks): an `ExecutionGate` counts the
+bytes they produce since the last reading and holds them before their next task once
+that reading plus those bytes pass ``spill`` × limit, until the monitor has looked again
+(and for as long as the worker is paused).
+
 Nothing here raises into the worker: a value that cannot be pickled, or a disk that is
 full or failing, keeps the value in RAM (counted, and logged once per minute).
 """
@@ -22,6 +28,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable, MutableMapping
 
@@ -32,7 +39,7 @@ from .serialize import dumps_data, loads_data
 
 logger = logging.getLogger("distributed_server.worker")
 
-__all__ = ["MONITOR_INTERVAL", "MemoryMonitor", "SpillBuffer", "SpillDirectory",
+__all__ = ["MONITOR_INTERVAL", "ExecutionGate", "MemoryMonitor", "SpillBuffer", "SpillDirectory",
            "check_fractions"]
 
 #: Default fractions of the memory limit (dask's): results held in RAM past ``target``
@@ -187,7 +194,17 @@ class SpillBuffer(MutableMapping):
         self.small: dict = {}  # key -> value
         self._small_weights: dict = {}  # key -> its weight
         self.small_bytes = 0
+        self.target_bytes = target_bytes
         self.buffer = zict.Buffer({}, SpillDirectory(directory), target_bytes, weight=weight)
+
+    def fit_process_memory(self, process_bytes: int) -> None:
+        """Keep results in RAM only as far as the process as a whole stays under the
+        target: what the process holds besides them (interpreter, libraries, task code,
+        transfers) is subtracted from ``target_bytes`` for the results stored from now on.
+        Without this a process whose own memory is large next to its limit would sit
+        between the spill and pause thresholds, pausing and resuming."""
+        unmanaged = max(process_bytes - self.memory_bytes, 0)
+        self.buffer.n = max(self.target_bytes - unmanaged, 0)
 
     def __setitem__(self, key, value) -> None:
         weight = self.weight(key, value)
@@ -296,15 +313,19 @@ class MemoryMonitor:
         self.paused = False
         #: The last check ran out of time with more to spill: check again at once.
         self.behind = False
+        #: The last reading less what the check then moved to disk.
+        self.estimate = 0
         self._last_spill_log = -_LOG_EVERY
 
     def check(self) -> bool | None:
         """Read memory, spill if past ``spill``; True to pause, False to resume, None if
         the paused state should not change."""
-        memory = self.memory = self.rss()
+        memory = self.memory = self.estimate = self.rss()
         self.behind = False
+        if self.buffer is not None:
+            self.buffer.fit_process_memory(memory)
         if self.spill and self.buffer is not None and memory > self.spill * self.limit:
-            self._spill(memory)
+            self.estimate = max(memory - self._spill(memory), 0)
         if not self.pause:
             return None
         over = memory > self.pause * self.limit
@@ -313,9 +334,9 @@ class MemoryMonitor:
             return over
         return None
 
-    def _spill(self, memory: int) -> None:
+    def _spill(self, memory: int) -> int:
         """Spill the least recently used results until about ``memory - target × limit``
-        bytes of them are on disk, for at most `SPILL_SLICE_SECONDS`."""
+        bytes of them are on disk, for at most `SPILL_SLICE_SECONDS`; the bytes moved."""
         goal = (self.target or self.spill) * self.limit
         need = memory - goal
         moved = count = 0
@@ -339,6 +360,62 @@ class MemoryMonitor:
             logger.warning("memory %s is over %.0f%% of the limit %s with no result left "
                            "to spill: task code or a leak holds it", _mb(memory),
                            100 * self.spill, _mb(self.limit))
+        return moved
+
+
+class ExecutionGate:
+    """Holds executor threads before their next task while the results they made since
+    the monitor's last look could push memory past ``threshold`` bytes, or while the
+    worker must not start tasks (paused, or the monitor still spilling).
+
+    Threads call `produced` after each result (with its size) and `wait` before each
+    task; the first result that crosses the threshold closes the gate and calls
+    ``request_check`` (which must make the event loop run the monitor soon); the loop
+    reopens it with `checked`. Costs a thread an addition and a comparison per task while
+    the gate is open."""
+
+    def __init__(self, threshold: float, request_check: Callable[[], None]) -> None:
+        self.threshold = threshold
+        self._request_check = request_check
+        self._base = 0  # the monitor's estimate of process memory at its last look
+        self._produced = 0  # bytes of results made since (races between threads only
+        # lose a few counts, and the next timed check corrects the base)
+        self._open = threading.Event()
+        self._open.set()
+
+    def produced(self, nbytes: int) -> None:
+        """From an executor thread: a result of ``nbytes`` was made."""
+        self._produced += nbytes
+        if self._base + self._produced > self.threshold and self._open.is_set():
+            self._open.clear()
+            self._request_check()
+
+    def wait(self, stopping: Callable[[], bool]) -> None:
+        """From an executor thread, before a task: return once the gate is open, or once
+        ``stopping()`` is true."""
+        while not self._open.wait(0.1):
+            if stopping():
+                return
+
+    @property
+    def is_open(self) -> bool:
+        """Whether threads may start tasks."""
+        return self._open.is_set()
+
+    def checked(self, estimate: int, hold: bool) -> None:
+        """From the event loop, after the monitor looked: its ``estimate`` of process
+        memory, and whether threads must keep holding (paused or still spilling)."""
+        self._base = estimate
+        self._produced = 0
+        if hold:
+            self._open.clear()
+        else:
+            self._open.set()
+
+    def release(self) -> None:
+        """Open for good (the worker is closing: threads must reach their exit)."""
+        self.threshold = float("inf")
+        self._open.set()
 
 
 def _process_rss() -> Callable[[], int]:

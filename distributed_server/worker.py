@@ -93,6 +93,7 @@ from .comm import (
 from . import config
 from .memory import (
     MONITOR_INTERVAL,
+    ExecutionGate,
     MemoryMonitor,
     SpillBuffer,
     check_fractions,
@@ -272,6 +273,8 @@ class Worker:
         self.data: dict | SpillBuffer = {}
         self._discard_data = self._pop_data  # drops a key from data if held
         self.memory: MemoryMonitor | None = None
+        #: With a memory limit: holds executor threads that outrun the monitor.
+        self._gate: ExecutionGate | None = None
         self.state: WorkerCore | None = None  # made at start, once the address is known
 
         self._queue: SimpleQueue = SimpleQueue()  # jobs (or None: stop) for the threads
@@ -418,6 +421,9 @@ class Worker:
             self._discard_data = buffer.discard
         self.memory = MemoryMonitor(self.memory_limit, buffer, self.memory_target_fraction,
                                     self.memory_spill_fraction, self.memory_pause_fraction)
+        fraction = self.memory_spill_fraction or self.memory_pause_fraction
+        if fraction:
+            self._gate = ExecutionGate(fraction * self.memory_limit, self._request_memory_check)
         self._memory_handle = self._loop.call_later(MONITOR_INTERVAL, self._check_memory)
 
     def _pop_data(self, key) -> None:
@@ -447,9 +453,25 @@ class Worker:
                            "%s", self.address, _mib(self.memory.memory),
                            100 * self.memory_pause_fraction, _mib(limit))
             self.unpause()
+        if self._gate is not None:
+            self._gate.checked(self.memory.estimate, self.memory.paused or self.memory.behind)
         if self.status == RUNNING_STATUS:
             delay = 0.001 if self.memory.behind else MONITOR_INTERVAL
             self._memory_handle = self._loop.call_later(delay, self._check_memory)
+
+    def _request_memory_check(self) -> None:
+        """From an executor thread (the gate closed): run the monitor on the loop now."""
+        try:
+            self._loop.call_soon_threadsafe(self._check_memory_now)
+        except RuntimeError:  # the loop is closed
+            self._gate.release()
+
+    def _check_memory_now(self) -> None:
+        if self.status != RUNNING_STATUS:
+            return
+        if self._memory_handle is not None:
+            self._memory_handle.cancel()
+        self._check_memory()
 
     async def __aenter__(self):
         if self.status == CREATED:
@@ -701,17 +723,25 @@ class Worker:
         append = self._outcomes.append
         loop = self._loop
         drain = self._drain_outcomes
+        gate = self._gate
+        stopping = self._is_stopping
         while True:
             job = get()
             if job is None:
                 return
+            if gate is not None and not gate.is_open:
+                gate.wait(stopping)
             extra = False
             if self._stopping or job[1].state != _EXECUTING:
                 append((job[0], _SKIPPED, None, None))  # cancelled before it began
             else:
                 enter_task(self, job[0])
                 try:
-                    append(_run_job(job))
+                    outcome = _run_job(job)
+                    append(outcome)
+                    if gate is not None and outcome[1] is _SUCCESS:
+                        gate.produced(outcome[3]["nbytes"])
+                    del outcome
                 finally:
                     extra = leave_task()  # seceded: another thread took this one's place
             del job
@@ -723,6 +753,9 @@ class Worker:
                     return
             if extra or self._retire_one():
                 return
+
+    def _is_stopping(self) -> bool:
+        return self._stopping
 
     def _retire_one(self) -> bool:
         """True for one executor thread per rejoined task: it leaves the pool."""
@@ -790,6 +823,8 @@ class Worker:
     async def _stop_threads(self) -> None:
         """Tell the threads to stop; wait briefly for those busy with a task."""
         self._stopping = True
+        if self._gate is not None:
+            self._gate.release()
         for _ in self._threads:
             self._queue.put(None)
         deadline = time.monotonic() + THREAD_JOIN_TIMEOUT

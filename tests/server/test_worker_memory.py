@@ -16,7 +16,12 @@ import cloudpickle
 import pytest
 
 from distributed_server import Client
-from distributed_server.memory import MemoryMonitor, SpillBuffer, check_fractions
+from distributed_server.memory import (
+    ExecutionGate,
+    MemoryMonitor,
+    SpillBuffer,
+    check_fractions,
+)
 from server_helpers import Processes, children, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,6 +139,47 @@ def test_the_monitor_spills_past_spill_and_pauses_past_pause_then_resumes(tmp_pa
     assert monitor.check() is False and not monitor.paused
 
 
+def test_the_buffer_keeps_in_ram_only_what_the_process_has_room_for(tmp_path):
+    """What the process holds besides results (here 6 MiB) comes off the buffer's target
+    at each reading, so process memory settles at the target instead of above it."""
+    data = buffer(target=10 * MiB, directory=str(tmp_path))
+    data["a"] = b"a" * 2 * MiB
+    monitor = MemoryMonitor(100 * MiB, data, 0.1, 0.7, 0.8, rss=lambda: 8 * MiB)
+    assert monitor.check() is None and data.buffer.n == 4 * MiB
+    data["b"] = b"b" * 2 * MiB
+    data["c"] = b"c" * 2 * MiB  # 6 MiB of results in a 4 MiB room: the oldest goes
+    assert set(data.buffer.slow) == {"a"} and data.memory_bytes == 4 * MiB
+    monitor.rss = lambda: 30 * MiB  # the process grew: no room at all
+    monitor.check()
+    assert data.buffer.n == 0
+    data["d"] = b"d" * 2 * MiB
+    assert "d" in data.buffer.slow and data["d"] == b"d" * 2 * MiB
+
+
+def test_the_gate_holds_threads_whose_results_outrun_the_monitor():
+    requests = []
+    gate = ExecutionGate(100, lambda: requests.append(1))
+    gate.checked(60, hold=False)
+    gate.produced(30)
+    assert gate.is_open and not requests
+    gate.produced(20)  # 60 + 50 > 100: closed, and the loop asked to look, once
+    gate.produced(20)
+    assert not gate.is_open and requests == [1]
+    stops = iter([False, True])
+    gate.wait(lambda: next(stops))  # returns when the worker stops (after 0.2 s)
+    gate.checked(95, hold=False)  # the monitor looked: what was produced is in its reading
+    assert gate.is_open
+    gate.produced(10)
+    assert not gate.is_open and requests == [1, 1]
+    gate.checked(40, hold=True)  # paused: stays closed whatever the reading
+    assert not gate.is_open
+    released = threading.Thread(target=gate.wait, args=(lambda: False,))
+    released.start()
+    gate.release()  # closing: the waiting thread goes on
+    released.join(timeout=5)
+    assert not released.is_alive() and gate.is_open
+
+
 def test_a_monitor_without_pause_never_pauses():
     monitor = MemoryMonitor(100 * MiB, None, 0.6, None, None, rss=lambda: 99 * MiB)
     assert monitor.check() is None and not monitor.paused
@@ -199,6 +245,41 @@ def _holding(client, worker, nbytes):
     if not nbytes and info["spilled"] == 0:
         return info
     return None
+
+
+def peak_rss() -> int:
+    """The worker process's peak resident memory (Linux VmHWM), in bytes."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux VmHWM")
+def test_a_burst_of_fast_large_results_never_takes_one_thread_past_the_limit(tmp_path):
+    """One thread, 64 tasks queued to it, each making 8 MiB in about a millisecond: the
+    gate holds the thread until the monitor has spilled, so the process's peak memory
+    stays under the nanny's 95 % (it reached 119 % before the gate: executor threads ran
+    ahead of the 100 ms readings)."""
+    limit, n, size = 200 * MiB, 150, 8 * MiB
+    processes = Processes(tmp_path)
+    try:
+        processes.nanny("--nthreads", "1", "--memory-limit", str(limit),
+                        "--local-directory", str(tmp_path))
+        with Client(processes.address, security=processes.security,
+                    set_as_default=False) as client:
+            client.wait_for_workers(1, timeout=30)
+            (worker,) = client.scheduler_info()["workers"]
+            blocks = client.map(block, range(n), [size] * n)
+            sums = client.map(checksum, blocks)
+            assert client.gather(sums) == [(size, i % 256, i % 256) for i in range(n)]
+            (peak,) = client.run(peak_rss).values()
+            assert peak < 0.95 * limit, f"peak {peak / MiB:.0f} MiB of {limit / MiB:.0f} MiB"
+            assert set(client.scheduler_info()["workers"]) == {worker}
+            del blocks, sums
+        assert "killed for its memory" not in processes.log("nanny.log")
+    finally:
+        processes.close()
+    processes.assert_no_errors()
 
 
 def test_a_dask_array_three_times_the_cluster_memory_persists_and_reduces(tmp_path):
