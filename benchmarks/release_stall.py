@@ -1,4 +1,5 @@
-"""Does releasing a huge number of futures stall the scheduler for everyone else?
+"""Does releasing a huge number of futures, or losing the worker that holds them, stall
+the scheduler for everyone else?
 
 A LocalCluster (1 worker) holds N tasks that a client created with
 ``client.map(add, range(N), [blocker] * N)`` (they wait on one sleeping task, so nothing
@@ -10,6 +11,12 @@ at N = 1,000,000)::
 
     python benchmarks/release_stall.py 1000000
     python benchmarks/release_stall.py 200000 --json
+
+With ``--worker-leaves``: one worker computes N no-op tasks and holds their N results, a
+second worker joins, and the first is SIGKILLed; the probe runs from the kill until the
+scheduler has let go of the dead worker's results (in slices) and one second more.
+Printed: the probe's worst and 99th-percentile wait in that window, and how long the N
+results took to be recomputed on the survivor.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +36,7 @@ sys.path.insert(0, HERE)
 from _e2e_tasks import add  # noqa: E402
 from e2e import save_results  # noqa: E402
 
-from distributed_server import Client, LocalCluster  # noqa: E402
+from distributed_server import Client, LocalCluster, wait  # noqa: E402
 
 PROBE = r"""
 import sys, time
@@ -50,10 +58,71 @@ with Client(sys.argv[1], set_as_default=False) as client:
 """
 
 
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        HERE, os.environ.get("PYTHONPATH")]))}
+
+
+def _start_probe(cluster, env: dict) -> subprocess.Popen:
+    probe = subprocess.Popen(
+        [sys.executable, "-c", PROBE, cluster.scheduler_address],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**env, **cluster.security.environment()})
+    assert probe.stdout.readline().strip() == "ready"
+    return probe
+
+
+def _probe_waits(probe: subprocess.Popen) -> list:
+    out, _ = probe.communicate("stop\n", timeout=60)
+    return [(float(a), float(w)) for a, w in (line.split() for line in out.splitlines())]
+
+
+def _stall_figures(waits: list, start: float, stop: float) -> dict:
+    during = sorted(w for at, w in waits if start <= at <= stop)
+    before = sorted(w for at, w in waits if at < start)
+    return {
+        "probe_requests_during": len(during),
+        "probe_worst_ms": 1e3 * max(during, default=0.0),
+        "probe_p99_ms": 1e3 * during[int(0.99 * (len(during) - 1))] if during else 0.0,
+        "probe_median_before_ms": 1e3 * statistics.median(before) if before else 0.0,
+    }
+
+
+def run_worker_leaves(n: int) -> dict:
+    """One measurement: the worker holding ``n`` results is SIGKILLed."""
+    env = _env()
+    with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
+            Client(cluster, set_as_default=False, timeout=60) as client:
+        start = time.perf_counter()
+        futures = client.map(add, range(n), [0] * n)
+        wait(futures)
+        computed_s = time.perf_counter() - start
+        (victim, pid), = client.run(os.getpid).items()
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=60)
+        probe = _start_probe(cluster, env)
+        time.sleep(1.0)
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        while victim in cluster.scheduler_info()["workers"]:
+            time.sleep(0.01)
+        removed_at = time.time()
+        while cluster.scheduler_info()["task_counts"].get("memory", 0) < n:
+            time.sleep(0.05)
+        recomputed_s = time.time() - killed_at
+        time.sleep(0.5)
+        waits = _probe_waits(probe)
+        del futures
+    # the departure's slices run right after the removal; the window covers them and the
+    # first second of recomputation
+    return {"n": n, "computed_s": computed_s, "removed_after_s": removed_at - killed_at,
+            "recomputed_s": recomputed_s,
+            **_stall_figures(waits, killed_at, removed_at + 1.0)}
+
+
 def run(n: int) -> dict:
     """One measurement with ``n`` held tasks."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        HERE, os.environ.get("PYTHONPATH")]))}
+    env = _env()
     with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
             Client(cluster, set_as_default=False, timeout=60) as client:
         blocker = client.submit(time.sleep, 3600, pure=False)
@@ -62,11 +131,7 @@ def run(n: int) -> dict:
         while cluster.scheduler_info()["n_tasks"] < n + 1:
             time.sleep(0.2)
         held_after = time.perf_counter() - start
-        probe = subprocess.Popen(
-            [sys.executable, "-c", PROBE, cluster.scheduler_address],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**env, **cluster.security.environment()})
-        assert probe.stdout.readline().strip() == "ready"
+        probe = _start_probe(cluster, env)
         time.sleep(1.0)
         released_at = time.time()
         del futures
@@ -74,29 +139,32 @@ def run(n: int) -> dict:
             time.sleep(0.05)
         release_s = time.time() - released_at
         time.sleep(0.5)
-        out, _ = probe.communicate("stop\n", timeout=60)
-    waits = [(float(a), float(w)) for a, w in (line.split() for line in out.splitlines())]
-    during = sorted(w for at, w in waits if released_at <= at <= released_at + release_s)
-    before = sorted(w for at, w in waits if at < released_at)
-    return {
-        "n": n, "held_after_s": held_after, "release_s": release_s,
-        "probe_requests_during": len(during),
-        "probe_worst_ms": 1e3 * max(during, default=0.0),
-        "probe_p99_ms": 1e3 * during[int(0.99 * (len(during) - 1))] if during else 0.0,
-        "probe_median_before_ms": 1e3 * statistics.median(before) if before else 0.0,
-    }
+        waits = _probe_waits(probe)
+    return {"n": n, "held_after_s": held_after, "release_s": release_s,
+            **_stall_figures(waits, released_at, released_at + release_s)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("n", type=int, nargs="?", default=1_000_000, help="held tasks")
+    parser.add_argument("--worker-leaves", action="store_true",
+                        help="SIGKILL the worker holding the results instead of releasing")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
     started = datetime.datetime.now()
-    result = run(args.n)
+    result = run_worker_leaves(args.n) if args.worker_leaves else run(args.n)
     if args.json:
         print(json.dumps(result, indent=1))
+    elif args.worker_leaves:
+        print(f"{result['n']:,} results on one worker (computed in "
+              f"{result['computed_s']:.1f} s); SIGKILLed: removed after "
+              f"{result['removed_after_s']:.2f} s, all recomputed after "
+              f"{result['recomputed_s']:.1f} s")
+        print(f"probe (who_has([]) round trips) from the kill to 1 s after the removal: "
+              f"{result['probe_requests_during']} requests, worst "
+              f"{result['probe_worst_ms']:.1f} ms, p99 {result['probe_p99_ms']:.1f} ms "
+              f"(median before: {result['probe_median_before_ms']:.2f} ms)")
     else:
         print(f"{result['n']:,} held tasks (created in {result['held_after_s']:.1f} s); "
               f"released in {result['release_s']:.2f} s")
@@ -105,7 +173,8 @@ def main(argv=None) -> int:
               f"{result['probe_p99_ms']:.1f} ms (median before: "
               f"{result['probe_median_before_ms']:.2f} ms)")
     if not args.no_save:
-        print("saved", save_results("release-stall", result, started, quick=False))
+        name = "worker-leaves-stall" if args.worker_leaves else "release-stall"
+        print("saved", save_results(name, result, started, quick=False))
     return 0
 
 

@@ -196,7 +196,7 @@ class WorkerState:
     slots: cython.Py_ssize_t  # tasks it may run at once before it counts as saturated
     resources: Optional[dict]
     processing: set
-    has_what: set
+    has_what: dict  # TaskState -> None, in the order it came to hold them
     nbytes: cython.Py_ssize_t
     occupancy: cython.double  # estimated seconds of work assigned and not yet finished
     status: str
@@ -214,7 +214,7 @@ class WorkerState:
         self.slots = nthreads
         self.resources = resources or None
         self.processing = set()
-        self.has_what = set()
+        self.has_what = {}
         self.nbytes = 0
         self.occupancy = 0.0
         self.status = WORKER_RUNNING
@@ -377,6 +377,25 @@ def _tuple_with(items: Optional[tuple], item, alone: tuple) -> tuple:
     if items is None:
         return alone  # shared: most tasks are wanted by one client, held by one worker
     return items + (item,)
+
+
+@cython.cfunc
+def _needed_by_active(ts: TaskState) -> cython.bint:
+    """Whether a task still to run needs the result of ``ts``."""
+    dts: TaskState
+    for dts in ts.dependents:
+        if dts.state in ACTIVE_STATES:
+            return True
+    return False
+
+
+@cython.cfunc
+def _holder_addresses(ts: TaskState) -> list:
+    """The addresses of the workers holding ``ts``: the running ones, or if only
+    departing ones are left (their slice has not come yet), those."""
+    ws: WorkerState
+    running = [ws.address for ws in ts.who_has if ws.status == WORKER_RUNNING]
+    return running if running else [ws.address for ws in ts.who_has]
 
 
 @cython.cfunc
@@ -671,6 +690,7 @@ class SchedulerState:
 
     tasks: dict
     workers: dict
+    departing: dict  # address -> WorkerState removed whose results are not all let go
     clients: dict
     prefixes: dict
     _prefix_of_name: dict  # key[0] of tuple keys -> (that key[0], its TaskPrefix); a cache
@@ -720,6 +740,7 @@ class SchedulerState:
                              f"not {max_transitions_per_stimulus!r}")
         self.max_transitions_per_stimulus = max_transitions_per_stimulus or 0
         self.workers = {}
+        self.departing = {}
         self.clients = {}
         self.prefixes = {}
         self._prefix_of_name = {}
@@ -814,6 +835,9 @@ class SchedulerState:
                                   f"an int of 64 bits, not {bounded_repr(name)}")
         resources = _check_resources(resources, f"worker {bounded_repr(address)}")
         self._begin(stimulus_id)
+        departed: WorkerState = self.departing.get(address)
+        if departed is not None:  # back at the same address: the old one's results go now
+            self._let_go_of_results(departed, None)
         ws = WorkerState(address, nthreads, name, resources)
         ws.slots = self._slots_for(nthreads)
         self.workers[address] = ws
@@ -824,13 +848,25 @@ class SchedulerState:
             self._recs[ts] = PROCESSING
         return self._end()
 
-    def remove_worker(self, address, stimulus_id) -> tuple:
-        """A worker left or died: reschedule its tasks, recompute results only it held."""
+    def remove_worker(self, address, stimulus_id, max_keys=None) -> tuple:
+        """A worker left or died: reschedule its tasks, recompute results only it held.
+
+        ``max_keys`` (a positive int) lets go of at most that many of its results in this
+        call: the worker stays in ``departing``, a holder of the rest that no task is sent
+        to and no client is pointed at, until calls for its address with
+        ``max_keys`` again have let go of them all. Without it, all go at once."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(address, "worker address")
+        if max_keys is not None and (type(max_keys) is not int
+                                     or not 1 <= max_keys <= _INT64_MAX):
+            raise InvalidStimulus(f"remove_worker: max_keys must be a positive int or None, "
+                                  f"not {bounded_repr(max_keys)}")
         self._begin(stimulus_id)
         ws: WorkerState = self.workers.pop(address, None)
         if ws is None:
+            ws = self.departing.get(address)
+            if ws is not None:
+                self._let_go_of_results(ws, max_keys)
             return self._end()
         self.idle.pop(address, None)
         self.total_nthreads -= ws.nthreads
@@ -846,16 +882,53 @@ class SchedulerState:
                 self._recs[ts] = ERRED
             else:
                 self._recs[ts] = WAITING
+        self.departing[address] = ws
+        # First the results that tasks still to run need: they must not wait for a later
+        # slice, nor be fetched from a worker that is gone.
+        needed = [ts for ts in ws.has_what
+                  if ts.dependents is not None and _needed_by_active(ts)]
+        if needed:
+            for ts in needed:
+                del ws.has_what[ts]
+            self._let_go(ws, needed)
+        self._let_go_of_results(ws, max_keys)
+        return self._end()
+
+    @cython.cfunc
+    def _let_go_of_results(self, ws: WorkerState, max_keys) -> None:
+        """Drop ``ws`` (departing) as a holder of up to ``max_keys`` of its results (all
+        with None); it leaves ``departing`` once it holds none."""
+        ts: TaskState
+        if max_keys is None or len(ws.has_what) <= max_keys:
+            batch = ws.has_what
+            ws.has_what = {}
+        else:
+            batch = []
+            for ts in ws.has_what:
+                batch.append(ts)
+                if len(batch) >= max_keys:
+                    break
+            for ts in batch:
+                del ws.has_what[ts]
+        self._let_go(ws, batch)
+
+    @cython.cfunc
+    def _let_go(self, ws: WorkerState, batch) -> None:
+        """Drop departing ``ws`` as the holder of ``batch`` (already out of its
+        ``has_what``); a result nobody else holds is recomputed or forgotten at once (a
+        task in memory must have a holder)."""
+        ts: TaskState
         lost = []
-        for ts in ws.has_what:
+        for ts in batch:
             ts.who_has = _tuple_without(ts.who_has, ws)
+            ws.nbytes -= ts.nbytes
             if ts.who_has is None:
                 lost.append(ts)
-        ws.has_what = set()
-        ws.nbytes = 0
-        for ts in lost:  # at once: a task in memory must always have a holder
+        if not ws.has_what:
+            ws.nbytes = 0
+            self.departing.pop(ws.address, None)
+        for ts in lost:
             self._transition(ts, RELEASED)
-        return self._end()
 
     def update_graph(self, client, tasks, keys, stimulus_id) -> tuple:
         """A client submits tasks and names the keys it wants.
@@ -1148,6 +1221,8 @@ class SchedulerState:
                                "missing but runs no task that needs it")
         self._begin(stimulus_id)
         ws: WorkerState = self.workers.get(errant_worker)
+        if ws is None:
+            ws = self.departing.get(errant_worker)
         if ts.state == MEMORY and ws is not None \
                 and ts.who_has is not None and ws in ts.who_has:
             self._remove_holder(ts, ws)
@@ -1278,7 +1353,7 @@ class SchedulerState:
         for key in keys:
             ts = self.tasks.get(key)
             if ts is not None and ts.who_has is not None:
-                out[key] = [ws.address for ws in ts.who_has]
+                out[key] = _holder_addresses(ts)
         return out
 
     @property
@@ -1546,6 +1621,8 @@ class SchedulerState:
                 else PROCESSING
 
     def _transition_waiting_processing(self, ts: TaskState) -> None:
+        if self.departing and ts.dependencies and self._release_departed_inputs(ts):
+            return  # waits for them again
         ws: WorkerState = self._decide_worker(ts)
         if ws is None:
             self._recs[ts] = QUEUED if self._queue_eligible(ts) else NO_WORKER
@@ -1570,6 +1647,8 @@ class SchedulerState:
         self._assign(ts, ws)
 
     def _transition_no_worker_processing(self, ts: TaskState) -> None:
+        if self.departing and ts.dependencies and self._release_departed_inputs(ts):
+            return  # recommended waiting: it waits for them again
         ws: WorkerState = self._decide_worker(ts)
         if ws is None:
             return
@@ -1664,7 +1743,7 @@ class SchedulerState:
         dts: TaskState
         if ts.who_has is not None:
             for ws in ts.who_has:
-                ws.has_what.discard(ts)
+                ws.has_what.pop(ts, None)
                 ws.nbytes -= ts.nbytes
                 self._free_key(ws, ts.key)
             ts.who_has = None
@@ -1852,13 +1931,13 @@ class SchedulerState:
         if ts.who_has is None:
             ts.nbytes = nbytes
         ts.who_has = _tuple_with(ts.who_has, ws, ws.alone)
-        ws.has_what.add(ts)
+        ws.has_what[ts] = None
         ws.nbytes += ts.nbytes
 
     @cython.cfunc
     def _remove_holder(self, ts: TaskState, ws: WorkerState) -> None:
         ts.who_has = _tuple_without(ts.who_has, ws)
-        ws.has_what.discard(ts)
+        ws.has_what.pop(ts, None)
         ws.nbytes -= ts.nbytes
 
     @cython.cfunc
@@ -1954,6 +2033,28 @@ class SchedulerState:
         return True
 
     @cython.cfunc
+    def _release_departed_inputs(self, ts: TaskState) -> cython.bint:
+        """Whether an input of ``ts`` was held only by departing workers (their slice
+        has not come yet); such inputs are released now, to be recomputed, so that no
+        worker is sent to fetch from a worker that is gone."""
+        dep: TaskState
+        ws: WorkerState
+        lost = []
+        for dep in ts.dependencies:
+            if dep.who_has is None:
+                continue
+            running: cython.bint = False
+            for ws in dep.who_has:
+                if ws.status == WORKER_RUNNING:
+                    running = True
+                    break
+            if not running:
+                lost.append(dep)
+        for dep in lost:
+            self._transition(dep, RELEASED)
+        return len(lost) > 0
+
+    @cython.cfunc
     def _decide_worker(self, ts: TaskState) -> WorkerState:
         """The worker to run ``ts`` now, or None.
 
@@ -2037,8 +2138,11 @@ class SchedulerState:
                "priority": (ts.priority_user, ts.generation, ts.order),
                "stimulus_id": self._stimulus_id}
         if ts.dependencies:
-            msg["who_has"] = {dep.key: [dws.address for dws in dep.who_has]
-                              for dep in ts.dependencies}
+            if self.departing:
+                msg["who_has"] = {dep.key: _holder_addresses(dep) for dep in ts.dependencies}
+            else:
+                msg["who_has"] = {dep.key: [dws.address for dws in dep.who_has]
+                                  for dep in ts.dependencies}
         if ts.options is not None and ts.options.resources is not None:
             msg["resources"] = ts.options.resources
         self._send_worker(ws, msg)
@@ -2217,6 +2321,14 @@ class SchedulerState:
         for ts in self.unrunnable:
             _check(ts.state == NO_WORKER, f"{ts} is unrunnable")
             _check(self._decide_worker(ts) is None, f"{ts} is unrunnable but fits a worker")
+        for address, ws in self.departing.items():
+            _check(ws.address == address and ws.status == WORKER_CLOSED
+                   and address not in self.workers and not ws.processing,
+                   f"{ws} departing")
+            for ts in ws.has_what:
+                _check(ts.state == MEMORY and ws in ts.who_has, f"{ts} listed in {ws}")
+            nbytes = sum([ts.nbytes for ts in ws.has_what])
+            _check(ws.nbytes == nbytes, f"{ws} holds {nbytes} bytes, counted {ws.nbytes}")
         for address, ws in self.workers.items():
             _check(ws.address == address and ws.status == WORKER_RUNNING, f"{ws} registered")
             for ts in ws.processing:
@@ -2375,6 +2487,9 @@ class SchedulerState:
             _check(ts.who_has is not None, f"{ts} is in memory nowhere")
             for ws in ts.who_has:
                 _check(ts in ws.has_what, f"{ts} not in has_what of {ws}")
+                _check(self.workers.get(ws.address) is ws
+                       or self.departing.get(ws.address) is ws,
+                       f"{ts} held by {ws}, neither registered nor departing")
         else:
             _check(ts.who_has is None, f"{ts} has holders while {state}")
         if state == QUEUED:

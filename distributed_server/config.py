@@ -70,6 +70,13 @@ def _count(value) -> int:
     return int(value)
 
 
+def _positive_count(value) -> int:
+    count = _count(value)
+    if not count:
+        raise ValueError(f"not a positive count: {value!r}")
+    return count
+
+
 def _path(value):
     return None if value in (None, "", False) else str(value)
 
@@ -81,6 +88,7 @@ SETTINGS = {
                                     _saturation),
     "scheduler.allowed-failures": ("distributed.scheduler.allowed-failures", 3, _count),
     "scheduler.client-idle-timeout": (None, 300.0, parse_seconds),
+    "scheduler.slice-keys": (None, 2_000, _positive_count),
     "worker.memory.target": ("distributed.worker.memory.target", 0.6, _fraction),
     "worker.memory.spill": ("distributed.worker.memory.spill", 0.7, _fraction),
     "worker.memory.pause": ("distributed.worker.memory.pause", 0.8, _fraction),

@@ -65,8 +65,9 @@ MAX_CLIENT_ID = 256
 #: serves every other peer (a release of a million futures must not stall them).
 TURN_SECONDS = 0.02
 #: A release-keys message over this many keys is applied in slices of this many keys,
-#: one stimulus each, so that no single stimulus holds the event loop for long.
-RELEASE_SLICE_KEYS = 2_000
+#: one stimulus each, so that no single stimulus holds the event loop for long; so are a
+#: restart and the results of a worker that left (``dcore.scheduler.slice-keys``).
+RELEASE_SLICE_KEYS = config.SETTINGS["scheduler.slice-keys"][1]
 
 
 class MessageError(ValueError):
@@ -123,6 +124,8 @@ class Scheduler:
         worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
         allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
         client_idle_timeout = config.get("scheduler.client-idle-timeout", client_idle_timeout)
+        #: Keys per stimulus in a long operation (a huge release, a restart, a departure).
+        self.slice_keys = config.get("scheduler.slice-keys")
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "scheduler")
         self.insecure = insecure
@@ -316,10 +319,22 @@ class Scheduler:
             self.last_seen.pop(address, None)
             self.worker_memory.pop(address, None)
             self.worker_dashboards.pop(address, None)
-            self._stimulus(address, "remove-worker", self.state.remove_worker, address)
+            self._stimulus(address, "remove-worker", self.state.remove_worker, address,
+                           max_keys=self.slice_keys)
+            if address in self.state.departing:
+                self._in_background(self._let_go_of_departed(address))
             self._joined.pop(address, None)
             self._workers_changed.set()
             logger.info("worker %s left", address)
+
+    async def _let_go_of_departed(self, address: str) -> None:
+        """The results a worker that left still held, ``slice_keys`` a stimulus,
+        with a turn for every other peer in between (the core recomputes those it needs
+        at once, and never sends a task to fetch from the departed worker)."""
+        while address in self.state.departing:
+            await asyncio.sleep(0)
+            self._stimulus(address, "remove-worker", self.state.remove_worker, address,
+                           max_keys=self.slice_keys)
 
     async def _serve_nanny(self, comm) -> None:
         nanny_id = f"nanny-{next(self._ids)}"
@@ -533,7 +548,7 @@ class Scheduler:
 
     def _release_keys(self, client_id: str, msg: dict):
         keys = msg.get("keys")
-        if type(keys) not in (list, tuple) or len(keys) <= RELEASE_SLICE_KEYS:
+        if type(keys) not in (list, tuple) or len(keys) <= self.slice_keys:
             self._stimulus(client_id, "release-keys", self.state.client_releases_keys,
                            client_id, keys)
             return None
@@ -551,9 +566,10 @@ class Scheduler:
             logger.warning("refused 'release-keys' from %s (%s): unhashable keys", client_id,
                            self._sid("release-keys"))
             return
-        for i in range(0, len(keys), RELEASE_SLICE_KEYS):
+        size = self.slice_keys
+        for i in range(0, len(keys), size):
             self._stimulus(client_id, "release-keys", self.state.client_releases_keys,
-                           client_id, keys[i:i + RELEASE_SLICE_KEYS])
+                           client_id, keys[i:i + size])
             await asyncio.sleep(0)
 
     def _desire_keys(self, client_id: str, msg: dict) -> None:
@@ -645,15 +661,15 @@ class Scheduler:
         task.add_done_callback(self._background.discard)
 
     async def _forget_everything(self, client_id: str) -> bool:
-        """The core's restart in slices of `RELEASE_SLICE_KEYS` wanted keys, one stimulus
+        """The core's restart in slices of ``slice_keys`` wanted keys, one stimulus
         each, serving every other peer in between; the last call takes whatever is left
         (work other clients submit meanwhile is forgotten too)."""
         wanted = sum(len(cs.wants_what) for cs in self.state.clients.values())
-        last = wanted // RELEASE_SLICE_KEYS + 10  # then one call without a limit
+        last = wanted // self.slice_keys + 10  # then one call without a limit
         for i in itertools.count():
             final = i >= last
             if not self._stimulus(client_id, "restart", self.state.restart,
-                                  max_keys=None if final else RELEASE_SLICE_KEYS):
+                                  max_keys=None if final else self.slice_keys):
                 return False
             if final or not self.state.tasks:
                 return True

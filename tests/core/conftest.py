@@ -122,6 +122,8 @@ def snapshot(state) -> dict:
                               _keys(ws.processing), _keys(ws.has_what), ws.nbytes,
                               ws.occupancy)
                     for address, ws in state.workers.items()},
+        "departing": {address: (_keys(ws.has_what), ws.nbytes)
+                      for address, ws in state.departing.items()},
         "clients": {client: _keys(cs.wants_what) for client, cs in state.clients.items()},
         "idle": list(state.idle),
         "queued": (state.n_queued, [entry[:4] + (entry[4].key,) for entry in state.queued]),
@@ -204,11 +206,13 @@ class Sim:
         sid = self.sid("add-worker", stimulus_id)
         return self.record(self.state.add_worker(address, nthreads, sid, **kwargs))
 
-    def remove_worker(self, address: str, stimulus_id=None) -> tuple:
+    def remove_worker(self, address: str, stimulus_id=None, max_keys=None) -> tuple:
+        """The worker is gone at once; with ``max_keys`` the state lets go of its results
+        in slices (call again while the address is in ``state.departing``)."""
         self.computing.pop(address, None)
         self.data.pop(address, None)
         sid = self.sid("remove-worker", stimulus_id)
-        return self.record(self.state.remove_worker(address, sid))
+        return self.record(self.state.remove_worker(address, sid, max_keys=max_keys))
 
     def submit(self, tasks: list, keys: list, client: str = "c", stimulus_id=None) -> tuple:
         sid = self.sid("graph", stimulus_id)

@@ -157,12 +157,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.join(pick(absent, i), nthreads)
             self.remember_told()
 
-    @rule(i=INDEX)
-    def worker_leaves(self, i):
+    @rule(i=INDEX, max_keys=st.one_of(st.none(), st.integers(1, 3)))
+    def worker_leaves(self, i, max_keys):
+        """A worker leaves; with ``max_keys`` the state lets go of its results in slices."""
         if self.state.workers:
             address = pick(self.alive(), i)
             self.lost.update((ts.key, address) for ts in self.state.workers[address].has_what)
-            self.sim.remove_worker(address)
+            self.sim.remove_worker(address, max_keys=max_keys)
+            self.remember_told()
+
+    @rule(i=INDEX, max_keys=st.integers(1, 3))
+    def departure_goes_on(self, i, max_keys):
+        """The next slice of a departure in slices."""
+        if self.state.departing:
+            self.sim.remove_worker(pick(sorted(self.state.departing), i), max_keys=max_keys)
             self.remember_told()
 
     @rule(i=INDEX, picks=PICKS)
@@ -339,7 +347,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                     f"{key!r} was released although still needed and held by {holders}"
         self.in_memory = {key: {ws.address for ws in ts.who_has}
                           for key, ts in self.state.tasks.items() if ts.state == "memory"}
-        self.lost = set()
+        # A departing worker's results stay lost until its departure is over.
+        self.lost = {(key, address) for key, address in self.lost
+                     if address in self.state.departing}
 
     # -- the end -------------------------------------------------------------------------------
 

@@ -127,6 +127,80 @@ def test_removing_the_last_worker_without_queuing_leaves_tasks_with_no_worker():
     assert states(sim.state) == {"t": "no-worker"}
 
 
+# -- a departure in slices ---------------------------------------------------------------
+
+
+def test_a_worker_holding_many_results_lets_go_of_them_in_slices():
+    sim = two_workers()
+    keys = [f"r{i}" for i in range(5)]
+    sim.submit([task(key, workers=["A"], allow_other_workers=True) for key in keys], keys)
+    for key in keys:
+        sim.finish(key, nbytes=10)
+    _, worker_msgs = sim.remove_worker("A", max_keys=2)
+    assert len(computed(worker_msgs)) == 2 and set(computed(worker_msgs).values()) == {"B"}
+    departing = sim.state.departing["A"]
+    assert "A" not in sim.state.workers and len(departing.has_what) == 3
+    assert departing.nbytes == 30
+    assert sim.state.who_has(keys[:1]) in ({}, {"r0": ["A"]})  # the gone worker, if held
+    sim.remove_worker("A", max_keys=2)
+    _, worker_msgs = sim.remove_worker("A", max_keys=2)
+    assert "A" not in sim.state.departing
+    assert all(state in ("processing", "memory") for state in states(sim.state).values())
+    assert sum(len(m) for m in sim.state.departing.values()) == 0
+    assert sim.state.remove_worker("A", "again", max_keys=2) == ({}, {})
+
+
+def test_results_that_tasks_still_need_go_in_the_first_slice():
+    sim = two_workers()
+    sim.submit([task("x", workers=["A"], allow_other_workers=True),
+                task("z", workers=["B"]), task("y", "x", "z")]
+               + [task(f"leaf{i}", workers=["A"], allow_other_workers=True)
+                  for i in range(4)], ["y"] + [f"leaf{i}" for i in range(4)])
+    for key in ["x", "leaf0", "leaf1", "leaf2", "leaf3"]:
+        sim.finish(key)
+    assert states(sim.state)["y"] == "waiting"
+    _, worker_msgs = sim.remove_worker("A", max_keys=1)
+    assert "x" in computed(worker_msgs)  # needed by y: recomputed at once
+    assert states(sim.state)["x"] == "processing"
+    assert len(sim.state.departing["A"].has_what) == 3
+
+
+def test_a_task_never_fetches_from_a_departing_worker():
+    """A result only a departing worker still holds is recomputed when a new task needs
+    it, instead of sending the task to fetch it from a worker that is gone."""
+    sim = two_workers()
+    keys = [f"r{i}" for i in range(4)]
+    sim.submit([task(key, workers=["A"], allow_other_workers=True) for key in keys], keys)
+    for key in keys:
+        sim.finish(key)
+    sim.remove_worker("A", max_keys=1)
+    held = sorted(ts.key for ts in sim.state.departing["A"].has_what)
+    _, worker_msgs = sim.submit([task("use", held[0])], ["use"], client="d")
+    assert computed(worker_msgs) == {held[0]: "B"}  # recomputed; Sim checks every who_has
+    assert states(sim.state)["use"] == "waiting"
+    sim.finish(held[0])
+    assert computed(sim.log[-1][1]) == {"use": "B"}
+
+
+def test_a_worker_back_at_a_departing_address_starts_with_nothing_of_the_old_one():
+    sim = two_workers()
+    keys = [f"r{i}" for i in range(4)]
+    sim.submit([task(key, workers=["A"], allow_other_workers=True) for key in keys], keys)
+    for key in keys:
+        sim.finish(key)
+    sim.remove_worker("A", max_keys=1)
+    sim.add_worker("A", 1)
+    assert not sim.state.departing and not sim.state.workers["A"].has_what
+
+
+def test_a_bad_slice_size_is_refused():
+    sim = two_workers()
+    for bad in (0, -1, 1.5, "2", True, 2**63):
+        assert_refused(sim.state, lambda: sim.state.remove_worker("A", "x", max_keys=bad),
+                       match="max_keys")
+    assert "A" in sim.state.workers
+
+
 def test_removing_an_unknown_worker_changes_nothing():
     sim = Sim()
     sim.add_worker("A", 1)

@@ -242,3 +242,47 @@ def test_a_stopped_scheduler_is_noticed_by_its_worker_within_its_timeout(tmp_pat
                 proc.kill()
                 proc.wait()
         scheduler.stdout.close()
+
+
+def inc(x):
+    return x + 1
+
+
+def test_a_worker_holding_many_results_dies_and_they_come_back(tmp_path, monkeypatch):
+    """A worker holding many times more results than one slice of a departure
+    (``dcore.scheduler.slice-keys``, 50 here) is SIGKILLed: the scheduler lets go of them in
+    slices, recomputes each one still wanted, and a graph built on them afterwards is
+    correct; the validating scheduler logs no ERROR."""
+    from server_helpers import Processes, children
+
+    monkeypatch.setenv("DASK_DCORE__SCHEDULER__SLICE_KEYS", "50")
+    n = 607
+    processes = Processes(tmp_path)
+    try:
+        holder = processes.nanny("--nthreads", "1", name="holder", log="holder.log")
+        processes.nanny("--nthreads", "1", name="other", log="other.log")
+        with Client(processes.address, security=processes.security,
+                    set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=30)
+            by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+            results = client.map(inc, range(n), workers=[by_name["holder"]],
+                                 allow_other_workers=True)
+            wait_for(lambda: all(f.done() for f in results), timeout=60)
+            assert client.has_what()[by_name["holder"]].__len__() == n
+            (victim,) = wait_for(lambda: children(holder))
+            victim.send_signal(signal.SIGKILL)
+            wait_for(lambda: by_name["holder"] not in client.scheduler_info()["workers"])
+            total = client.submit(sum, results)
+            assert total.result(timeout=90) == sum(range(1, n + 1))
+            assert client.gather(results[-3:]) == [n - 2, n - 1, n]
+            # The scheduler's log of the results' moves names the departure's stimuli.
+            lost = {entry.stimulus_id for entry in client.story(*results)
+                    if entry.where == "scheduler" and entry.start == "memory"
+                    and entry.finish == "released"}
+            assert all(sid.startswith("remove-worker") for sid in lost), lost
+            assert len(lost) >= n // 50, lost
+            del results, total
+            wait_for(lambda: client.scheduler_info()["n_tasks"] == 0)
+    finally:
+        processes.close()
+    processes.assert_no_errors()
