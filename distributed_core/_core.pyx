@@ -1311,6 +1311,16 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ authorization
 
+    def check_cancel(self, client, keys, force=False) -> None:
+        """Raise what ``cancel(client, keys, ..., force)`` would refuse with (InvalidStimulus
+        or Unauthorized), else nothing; changes nothing. A server that cancels a huge list
+        in slices checks it whole first, so a bad key refuses all of it."""
+        _check_str(client, "client")
+        _check_keys(keys, "cancel")
+        if type(force) is not bool:
+            raise InvalidStimulus(f"cancel: force must be a bool, not {bounded_repr(force)}")
+        self._check_wanted(client, keys, "cancel")
+
     @cython.cfunc
     def _check_wanted(self, client, keys, what: str) -> None:
         """Unauthorized unless ``client`` wants every key of ``keys`` that exists."""

@@ -576,24 +576,61 @@ class Scheduler:
         self._stimulus(client_id, "desire-keys", self.state.client_desires_keys, client_id,
                        msg.get("keys"))
 
-    def _cancel(self, client_id: str, msg: dict) -> None:
+    def _cancel(self, client_id: str, msg: dict):
         """The core's cancel; its answer to the canceller carries the request's ``reqid``
         so the client tells it from a cancel by someone else (``force``)."""
         reqid = msg.get("reqid")
         _require(reqid is None or type(reqid) is int, "cancel: reqid must be an int")
         force = msg.get("force", False) is True
+        keys = msg.get("keys")
+        if type(keys) in (list, tuple) and len(keys) > self.slice_keys:
+            return self._cancel_in_slices(client_id, keys, force, reqid)
+        if self._stimulus(client_id, "cancel", self._tagged_cancel(client_id, reqid),
+                          client_id, keys, force=force) and force and self.coordination.held:
+            self._coordination_keys_lost()  # the pseudo-client's wants may be gone too
+        return None
 
+    def _tagged_cancel(self, client_id: str, reqid):
+        """The core's cancel, its answer to ``client_id`` tagged with ``reqid``; with
+        ``reqid`` False that answer is dropped (the canceller applied the cancel itself and
+        waits for one answer, the last slice's)."""
         def cancel(*args, **kwargs):
             client_msgs, worker_msgs = self.state.cancel(*args, **kwargs)
-            if reqid is not None:
+            if reqid is False:
+                mine = [m for m in client_msgs.get(client_id, ())
+                        if m.get("op") != "cancelled-keys"]
+                if mine:
+                    client_msgs[client_id] = mine
+                else:
+                    client_msgs.pop(client_id, None)
+            elif reqid is not None:
                 for reply in client_msgs.get(client_id, ()):
                     if reply.get("op") == "cancelled-keys":
                         reply["reqid"] = reqid
             return client_msgs, worker_msgs
+        return cancel
 
-        if self._stimulus(client_id, "cancel", cancel, client_id, msg.get("keys"),
-                          force=force) and force and self.coordination.held:
-            self._coordination_keys_lost()  # the pseudo-client's wants may be gone too
+    async def _cancel_in_slices(self, client_id: str, keys, force: bool, reqid) -> None:
+        """A huge cancel, checked whole (a bad key refuses all of it), then one stimulus
+        per slice with a turn for everyone in between."""
+        try:
+            self.state.check_cancel(client_id, keys, force)
+        except InvalidStimulus as exc:
+            logger.warning("refused 'cancel' from %s (%s): %s", client_id,
+                           self._sid("cancel"), exc)
+            self._reply_error(client_id, "cancel", exc)
+            return
+        size = self.slice_keys
+        for i in range(0, len(keys), size):
+            last = i + size >= len(keys)
+            if not self._stimulus(client_id, "cancel",
+                                  self._tagged_cancel(client_id, reqid if last else False),
+                                  client_id, keys[i:i + size], force=force):
+                return
+            if not last:
+                await asyncio.sleep(0)
+        if force and self.coordination.held:
+            self._coordination_keys_lost()
 
     def _retry(self, client_id: str, msg: dict) -> None:
         self._stimulus(client_id, "retry", self.state.retry, client_id, msg.get("keys"))

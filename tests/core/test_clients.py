@@ -248,3 +248,17 @@ def test_add_client_registers_a_client_that_wants_nothing():
     assert sim.state.add_client("c", "hello") == ({}, {})
     assert list(sim.state.clients) == ["c"]
     assert sim.state.clients["c"].wants_what == set()
+
+
+def test_check_cancel_refuses_what_cancel_refuses_and_changes_nothing():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"], client="c1")
+    sim.submit([task("z")], ["z"], client="c2")
+    assert_refused(sim.state, lambda: sim.state.check_cancel("c2", ["z", "x"]), Unauthorized)
+    assert_refused(sim.state, lambda: sim.state.check_cancel("c2", "z"), match="keys")
+    assert_refused(sim.state, lambda: sim.state.check_cancel("c2", ["z"], force=1),
+                   match="force")
+    assert sim.state.check_cancel("c2", ["z", "ghost"], force=True) is None
+    assert states(sim.state) == {"x": "processing", "z": "waiting"} or \
+        set(states(sim.state)) == {"x", "z"}

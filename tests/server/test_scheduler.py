@@ -357,3 +357,53 @@ def test_a_huge_release_is_applied_in_slices_and_others_are_served_meanwhile():
                 await asyncio.sleep(0.01)
 
     run(main())
+
+
+def test_a_huge_cancel_is_applied_in_slices_and_answered_once():
+    n = 60_000
+
+    async def main():
+        async with Scheduler(validate=False) as s:
+            w = await _worker(s)
+            big, other = await _client(s, "big"), await _client(s, "other")
+            keys = [("held", i) for i in range(n)]
+            big.send({"op": "update-graph", "keys": keys,
+                      "tasks": [{"key": "blocker", "spec": b"S"}]
+                      + [{"key": k, "spec": b"S", "deps": ["blocker"]} for k in keys]})
+            await _read_op(w, "compute-task")
+            while len(s.state.tasks) < n + 1:
+                await asyncio.sleep(0.01)
+            big.send({"op": "cancel", "keys": keys, "reqid": 7})
+            await asyncio.sleep(0.001)
+            seen = (await _request(other, "identity"))["n_tasks"]
+            assert 1 < seen < n + 1  # answered while the cancel was under way
+            answer = await _read_op(big, "cancelled-keys")
+            assert answer["reqid"] == 7 and len(s.state.tasks) == 0  # the blocker too
+            big.send({"op": "identity", "reqid": 8})
+            msgs = []
+            while not any(m["op"] == "reply" for m in msgs):
+                msgs += await big.read()
+            assert not [m for m in msgs if m["op"] == "cancelled-keys"]  # only one answer
+
+    run(main())
+
+
+def test_a_huge_cancel_with_one_key_of_another_client_changes_nothing():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            s.slice_keys = 10
+            await _worker(s)
+            mine, theirs = await _client(s, "mine"), await _client(s, "theirs")
+            keys = [f"k{i}" for i in range(35)]
+            mine.send({"op": "update-graph", "keys": keys,
+                       "tasks": [{"key": k, "spec": b"S"} for k in keys]})
+            theirs.send({"op": "update-graph", "keys": ["other"],
+                         "tasks": [{"key": "other", "spec": b"S"}]})
+            while len(s.state.tasks) < 36:
+                await asyncio.sleep(0.01)
+            mine.send({"op": "cancel", "keys": keys + ["other"], "reqid": 3})
+            error = await _read_op(mine, "error")
+            assert "does not want ['other']" in error["error"]
+            assert len(s.state.tasks) == 36 and len(s.state.clients["mine"].wants_what) == 35
+
+    run(main())
