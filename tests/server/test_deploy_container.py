@@ -157,11 +157,11 @@ def test_the_build_and_install_lines_make_a_working_dcore(tmp_path):
     [wheel] = wheels.glob(pattern.group(1))  # exactly one wheel matches the install's glob
 
     # The runtime stage installs "WHEEL[EXTRAS]": every extra must be one the wheel has.
-    extras = re.search(r"^ARG EXTRAS=(\S+)$", CONTAINERFILE.read_text(), re.M).group(1)
+    extras = re.search(r"^ARG EXTRAS=(\S+)$", CONTAINERFILE.read_text(), re.MULTILINE).group(1)
     with zipfile.ZipFile(wheel) as zf:
         metadata = zf.read(f"distributed_core-{distributed_core.__version__}.dist-info/"
                            "METADATA").decode()
-    provided = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.M))
+    provided = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.MULTILINE))
     assert set(extras.split(",")) <= provided, (extras, provided)
 
     # The install itself, without dependencies (this interpreter has them), into a target

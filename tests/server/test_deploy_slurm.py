@@ -61,7 +61,7 @@ def test_the_batch_script_runs_a_graph_on_workers_started_by_srun_on_every_node(
     # Each node's nanny started 2 workers (--nworkers), named after its node, with 1 thread
     # (2 CPUs / 2 workers) and 90% of 1 GiB / 2 as --memory-limit.
     workers = re.findall(r"^worker (\S+) tcp://127\.0\.0\.1:\d+ threads (\d+) memory_limit "
-                         r"(\d+)$", job.stdout, re.M)
+                         r"(\d+)$", job.stdout, re.MULTILINE)
     limit = 1024 * 1048576 // 10 * 9 // 2
     assert sorted(workers) == [(f"node{n}-{w}", "1", str(limit))
                                for n in (0, 1) for w in (0, 1)], out
