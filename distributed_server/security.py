@@ -142,9 +142,12 @@ class Security:
 
     @classmethod
     def from_environment(cls, environ=None) -> Security:
-        """Credentials from ``DCORE_TOKEN`` / ``DCORE_TOKEN_FILE`` and ``DCORE_TLS_*``."""
+        """Credentials from ``DCORE_TOKEN`` / ``DCORE_TOKEN_FILE`` and ``DCORE_TLS_*``.
+
+        White space around ``DCORE_TOKEN`` is ignored, as in a token file: a value taken
+        from a file (a Kubernetes Secret made with ``--from-file``) ends with a newline."""
         env = os.environ if environ is None else environ
-        return cls(token=env.get(_ENV_TOKEN) or None,
+        return cls(token=(env.get(_ENV_TOKEN) or "").strip() or None,
                    token_file=env.get(_ENV_TOKEN_FILE) or None,
                    tls_ca_file=env.get(_ENV_CA) or None, tls_cert=env.get(_ENV_CERT) or None,
                    tls_key=env.get(_ENV_KEY) or None)
