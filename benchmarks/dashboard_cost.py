@@ -8,7 +8,7 @@ interleaved run by run so that a change in the machine's load hits both:
 
 - ``off``: ``dcore scheduler --no-dashboard``;
 - ``on``:  the dashboard, with what the status page does (``/api/v1/status`` with the
-  task stream since its last poll, 250 entries sampled, every second, as its script
+  task stream since its last poll, 100 entries sampled, every second, as its script
   polls) plus a scrape of ``/metrics`` every second, from a thread of this process, for
   the whole run.
 
@@ -69,7 +69,7 @@ class Poller(threading.Thread):
             started = time.monotonic()
             try:
                 status = json.loads(self.get(f"/api/v1/status?stream_after={after}"
-                                             "&stream_limit=250"))
+                                             "&stream_limit=100"))
                 after = status["stream"]["next"]
                 self.get("/metrics")
                 self.requests += 2
@@ -117,7 +117,7 @@ def measure_read_costs(cluster: LocalCluster, poller: Poller, client: Client,
     """Scheduler CPU and wall time per request while it holds the map's tasks."""
     out = {}
     reads = {"metrics": "/metrics", "status_json": "/api/v1/status",
-             "status_and_stream": "/api/v1/status?stream_after=0&stream_limit=250",
+             "status_and_stream": "/api/v1/status?stream_after=0&stream_limit=100",
              "task_stream_2000": "/api/v1/task-stream?after=0&limit=2000"}
     for name, path in reads.items():
         poller.get(path)  # warm

@@ -69,14 +69,14 @@ class _JSONHandler(BaseHandler):
 class StatusJSONHandler(_JSONHandler):
     """``/api/v1/status``: the figures of the status page; with ``?stream_after=N``
     also ``"stream"``: the task stream after N, as ``/api/v1/task-stream?sample=1``
-    answers it (``stream_limit``, default 250), so the page polls with one request."""
+    answers it (``stream_limit``, default 100), so the page polls with one request."""
 
     def get(self) -> None:
         """The scheduler's figures as JSON."""
         status = _finite(self.settings["figures"].status())
         if self.get_query_argument("stream_after", None) is not None:
             after = self.int_argument("stream_after", 0, 0, 2**62)
-            limit = self.int_argument("stream_limit", 250, 0, MAX_STREAM_LIMIT)
+            limit = self.int_argument("stream_limit", 100, 0, MAX_STREAM_LIMIT)
             status["stream"] = _stream_json(self.settings["task_stream"], after, limit, True)
         self.write_json(status)
 
