@@ -24,7 +24,7 @@ from distributed_core import bounded_repr, key_prefix
 
 from .figures import SchedulerFigures
 from .http import BaseHandler, HttpServer
-from .prometheus import CONTENT_TYPE_LATEST, SchedulerCollector, registry_for, render
+from .prometheus import CONTENT_TYPE_LATEST, Exposition, SchedulerCollector, registry_for
 
 __all__ = ["start_scheduler_http", "STATIC_FILES"]
 
@@ -109,7 +109,7 @@ class MetricsHandler(BaseHandler):
     def get(self) -> None:
         """Every metric, read now."""
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.finish(render(self.settings["registry"]))
+        self.finish(self.settings["exposition"].render())
 
 
 class StaticHandler(BaseHandler):
@@ -141,7 +141,8 @@ async def start_scheduler_http(scheduler, host: str, port: int, *,
     """Start the scheduler's HTTP server on ``host:port``; returns it, started."""
     figures = SchedulerFigures(scheduler)
     settings = {"figures": figures, "task_stream": scheduler.task_stream,
-                "registry": registry_for(SchedulerCollector(figures)), "static_cache": {}}
+                "exposition": Exposition(registry_for(SchedulerCollector(figures))),
+                "static_cache": {}}
     routes = [
         (r"/", RootHandler, None),
         (r"/status/?", StaticHandler, None),
