@@ -67,7 +67,8 @@ venv_exe() {  # venv_exe DIR NAME: a console script of the venv at DIR
 hash_inputs() {
   "$BASE_PYTHON" - "$@" <<'PY'
 import hashlib, pathlib, sys
-SOURCE = {".py", ".pyx", ".pxd", ".pxi", ".toml", ".cfg", ".in", ".txt", ".md"}
+SOURCE = {".py", ".pyx", ".pxd", ".pxi", ".toml", ".cfg", ".in", ".txt", ".md",
+          ".html", ".js", ".css", ".svg"}  # the status page ships in the package too
 h = hashlib.sha256(sys.version.encode() + sys.executable.encode())
 for arg in sys.argv[1:]:
     p = pathlib.Path(arg)

@@ -2,14 +2,18 @@
 
 The scheduler records one entry per task outcome it accepted from a worker's report:
 ``(key, worker, start, stop, ok)``, with the worker's own clock readings of when the
-task began and ended. Recording is one tuple per task, added with its batch by one
-``deque.extend`` (about 0.2 us a task: benchmarks/dashboard_cost.py), nothing else;
-entries live in a bounded deque (the oldest fall off), so a long run costs a
-fixed amount of memory. Everything that checks or converts an entry happens when it is
-read, and reads touch only the entries they return.
+task began and ended. Recording is one tuple per task, written with its batch by one
+slice assignment (about 0.2 us a task: benchmarks/dashboard_cost.py), nothing else.
 
-Each entry has a sequence number (its position since the scheduler started), so a
-reader that polls asks for what came after the last number it saw and never gets an
+Entries live in a ring: a list of ``maxlen`` slots and a running count ``total`` of
+entries recorded. Entry number ``seq`` (its position since the scheduler started) sits
+in slot ``seq % maxlen`` until ``maxlen`` newer entries overwrite it, so a long run costs
+a fixed amount of memory and any held entry is found in O(1) (a deque would index in
+O(n)). Everything that checks or converts an entry happens when it is read, and a read
+touches only the entries it returns: a page that samples 100 of the last 100,000 reads
+100 slots.
+
+A reader that polls asks for what came after the last number it saw and never gets an
 entry twice.
 
 What it never does: walk the scheduler's tasks, keep anything beyond ``maxlen``
@@ -19,8 +23,6 @@ its figures odd: a time that is not a finite number is dropped from what readers
 from __future__ import annotations
 
 import math
-from collections import deque
-from itertools import islice
 
 __all__ = ["TaskStream", "TaskStreamEntry"]
 
@@ -51,50 +53,61 @@ class TaskStream:
         if type(maxlen) is not int or maxlen < 1:
             raise ValueError(f"maxlen must be a positive int, not {maxlen!r}")
         self.maxlen = maxlen
-        self._entries: deque = deque(maxlen=maxlen)
+        #: The ring: entry number ``seq`` is in slot ``seq % maxlen`` while it is held.
+        self._slots: list = [None] * maxlen
         #: Entries recorded since the start (the next entry's sequence number).
         self.total = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return min(self.total, self.maxlen)
+
+    @property
+    def first(self) -> int:
+        """The sequence number of the oldest entry held."""
+        return max(self.total - self.maxlen, 0)
 
     def record(self, worker: str, reports: list, ok: bool) -> None:
-        """Remember the outcome of every report of this batch (one append each)."""
-        self._entries.extend([(msg.get("key"), worker, msg.get("start"), msg.get("stop"), ok)
-                              for msg in reports])
+        """Remember the outcome of every report of this batch (one slot each)."""
+        maxlen = self.maxlen
+        new = [(msg.get("key"), worker, msg.get("start"), msg.get("stop"), ok)
+               for msg in reports[-maxlen:]]  # a batch over maxlen: its newest
+        slot = (self.total + len(reports) - len(new)) % maxlen
+        room = maxlen - slot
+        if len(new) <= room:
+            self._slots[slot:slot + len(new)] = new
+        else:  # wraps: the end of the list, then its start
+            self._slots[slot:] = new[:room]
+            self._slots[:len(new) - room] = new[room:]
         self.total += len(reports)
+
+    def _raw(self, seq: int) -> tuple:
+        """The stored tuple of entry ``seq`` (which the caller knows is held)."""
+        return self._slots[seq % self.maxlen]
 
     def after(self, seq: int, limit: int = 1000, sample: bool = False) -> tuple:
         """``(entries, next_seq, skipped)``: at most ``limit`` entries numbered ``seq``
         or later, oldest first; the number to ask for next time; and how many entries
-        after ``seq`` were not returned (fallen off the deque, or over ``limit``).
+        after ``seq`` were not returned (fallen out of the ring, or over ``limit``).
 
         Over ``limit``, the newest ``limit`` are returned, or with ``sample`` ``limit``
         entries spread evenly over all of them (a chart of the last second stays even).
         Costs only the entries returned."""
-        entries = self._entries
-        n = len(entries)
-        first = self.total - n  # sequence number of entries[0]
+        total = self.total
         seq = max(seq, 0)
-        wanted = max(self.total - max(seq, first), 0)
+        wanted = max(total - max(seq, self.first), 0)
         take = min(wanted, max(limit, 0))
         if sample and 0 < take < wanted:
             step = -(-wanted // take)  # every step-th, counted back from the newest
-            picked = list(islice(reversed(entries), 0, wanted, step))
-            seqs = range(self.total - 1, self.total - 1 - step * len(picked), -step)
-            raw = reversed(list(zip(seqs, picked)))
-            take = len(picked)
+            numbers = range(total - 1 - step * ((wanted - 1) // step), total, step)
         else:
-            newest = list(islice(reversed(entries), take))
-            newest.reverse()
-            raw = zip(range(self.total - take, self.total), newest)
+            numbers = range(total - take, total)
         out = []
-        for number, item in raw:
-            entry = _checked(number, item)
+        for number in numbers:
+            entry = _checked(number, self._raw(number))
             if entry is not None:
                 out.append(entry)
-        skipped = max(self.total - seq, 0) - take
-        return out, self.total, skipped
+        skipped = max(total - seq, 0) - len(numbers)
+        return out, total, skipped
 
     def window(self, start: float | None = None, stop: float | None = None,
                limit: int = 100_000) -> list:
@@ -103,11 +116,9 @@ class TaskStream:
         first. Walks back from the newest entry and stops at the first one that ended
         well before ``start`` (entries arrive roughly in order of their stop time)."""
         out = []
-        entries = self._entries
-        first = self.total - len(entries)
         slack = 60.0  # reports from different workers arrive out of order by this much
-        for i in range(len(entries) - 1, -1, -1):
-            entry = _checked(first + i, entries[i])
+        for number in range(self.total - 1, self.first - 1, -1):
+            entry = _checked(number, self._raw(number))
             if entry is None:
                 continue
             if start is not None and entry[4] < start:

@@ -86,6 +86,11 @@ class BaseHandler(RequestHandler):
                             expires_days=COOKIE_DAYS, httponly=True, samesite="Strict",
                             secure=self.request.protocol == "https")
 
+    def compute_etag(self) -> None:
+        """No ETag: every answer is ``no-store``, so none would be revalidated, and
+        tornado would hash each body for it (a SHA-1 per poll and per scrape)."""
+        return None
+
     def write_error(self, status_code: int, **kwargs) -> None:
         """A one-line plain-text answer: the status and why (never a traceback)."""
         self.clear_header("Content-Type")

@@ -24,7 +24,7 @@ from distributed_core import bounded_repr, key_prefix
 
 from .figures import SchedulerFigures
 from .http import BaseHandler, HttpServer
-from .prometheus import CONTENT_TYPE_LATEST, SchedulerCollector, registry_for, render
+from .prometheus import CONTENT_TYPE_LATEST, Exposition, SchedulerCollector, registry_for
 
 __all__ = ["start_scheduler_http", "STATIC_FILES"]
 
@@ -69,14 +69,14 @@ class _JSONHandler(BaseHandler):
 class StatusJSONHandler(_JSONHandler):
     """``/api/v1/status``: the figures of the status page; with ``?stream_after=N``
     also ``"stream"``: the task stream after N, as ``/api/v1/task-stream?sample=1``
-    answers it (``stream_limit``, default 250), so the page polls with one request."""
+    answers it (``stream_limit``, default 100), so the page polls with one request."""
 
     def get(self) -> None:
         """The scheduler's figures as JSON."""
         status = _finite(self.settings["figures"].status())
         if self.get_query_argument("stream_after", None) is not None:
             after = self.int_argument("stream_after", 0, 0, 2**62)
-            limit = self.int_argument("stream_limit", 250, 0, MAX_STREAM_LIMIT)
+            limit = self.int_argument("stream_limit", 100, 0, MAX_STREAM_LIMIT)
             status["stream"] = _stream_json(self.settings["task_stream"], after, limit, True)
         self.write_json(status)
 
@@ -109,7 +109,7 @@ class MetricsHandler(BaseHandler):
     def get(self) -> None:
         """Every metric, read now."""
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.finish(render(self.settings["registry"]))
+        self.finish(self.settings["exposition"].render())
 
 
 class StaticHandler(BaseHandler):
@@ -141,7 +141,8 @@ async def start_scheduler_http(scheduler, host: str, port: int, *,
     """Start the scheduler's HTTP server on ``host:port``; returns it, started."""
     figures = SchedulerFigures(scheduler)
     settings = {"figures": figures, "task_stream": scheduler.task_stream,
-                "registry": registry_for(SchedulerCollector(figures)), "static_cache": {}}
+                "exposition": Exposition(registry_for(SchedulerCollector(figures))),
+                "static_cache": {}}
     routes = [
         (r"/", RootHandler, None),
         (r"/status/?", StaticHandler, None),

@@ -11,15 +11,22 @@ from __future__ import annotations
 
 from ..loop_lag import LoopLagMonitor
 from .http import BaseHandler, HttpServer, parse_http_address
-from .prometheus import CONTENT_TYPE_LATEST, WorkerCollector, registry_for, render
 
 __all__ = ["WorkerHttp", "start_worker_http"]
 
 
 class _MetricsHandler(BaseHandler):
     def get(self) -> None:
+        # prometheus_client is imported at the first scrape, not at start: a worker that
+        # is never scraped keeps its memory (~1.3 MiB) for its results.
+        from .prometheus import CONTENT_TYPE_LATEST, Exposition, WorkerCollector, registry_for
+
+        state = self.settings["state"]
+        if state.get("exposition") is None:
+            state["exposition"] = Exposition(registry_for(
+                WorkerCollector(state["worker"], state["loop_lag"])))
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.finish(render(self.settings["registry"]))
+        self.finish(state["exposition"].render())
 
 
 class _RootHandler(BaseHandler):
@@ -51,7 +58,7 @@ async def start_worker_http(worker, address, insecure: bool = False) -> WorkerHt
     defaults to the worker's)."""
     host, port = parse_http_address(address, worker.host)
     loop_lag = LoopLagMonitor()
-    settings = {"registry": registry_for(WorkerCollector(worker, loop_lag))}
+    settings = {"state": {"worker": worker, "loop_lag": loop_lag, "exposition": None}}
     server = HttpServer([(r"/", _RootHandler), (r"/metrics", _MetricsHandler)],
                         worker.security, host, port, insecure=insecure, role="worker",
                         fallback=False, settings=settings)

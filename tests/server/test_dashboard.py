@@ -490,3 +490,52 @@ def test_without_counters_a_walk_is_reused_for_a_hundred_times_its_cost():
     time.sleep(max(figures._walk_valid_until - time.monotonic(), 0) + 0.05)
     figures.task_counts()
     assert len(walks) == 2
+
+
+def test_a_scrape_reformats_only_the_families_that_changed(monkeypatch):
+    """Exposition.render answers what prometheus_client's generate_latest answers for the
+    same registry, scrape after scrape, and formats only the families whose samples
+    changed since the last scrape (the others' text is reused)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from distributed_server.dashboard import prometheus as prometheus_module
+
+    figures = {"workers": 2, "tasks": {"memory": 5, "erred": 0}, "moves": 10}
+
+    class Collector:
+        def describe(self):
+            return []
+
+        def collect(self):
+            yield GaugeMetricFamily("t_workers", "Workers", value=figures["workers"])
+            tasks = GaugeMetricFamily("t_tasks", 'Tasks "by" state\\', labels=["state"])
+            for state, n in figures["tasks"].items():
+                tasks.add_metric([state], n)
+            yield tasks
+            yield CounterMetricFamily("t_moves", "Moves", value=figures["moves"])
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector())
+    exposition = prometheus_module.Exposition(registry)
+    formatted = []
+    real = prometheus_module.generate_latest
+    monkeypatch.setattr(prometheus_module, "generate_latest",
+                        lambda one: formatted.append(one.family.name) or real(one))
+
+    assert exposition.render() == generate_latest(registry)
+    assert formatted == ["t_workers", "t_tasks", "t_moves"]
+    formatted.clear()
+    assert exposition.render() == generate_latest(registry)
+    assert formatted == []  # nothing changed: nothing formatted
+    figures["moves"] = 11
+    figures["tasks"]["erred"] = 1
+    assert exposition.render() == generate_latest(registry)
+    assert formatted == ["t_tasks", "t_moves"]
+    formatted.clear()
+    figures["tasks"] = {"memory": 5, "erred": 0, "waiting": 3}  # a new label value
+    figures["workers"] = float("nan")
+    assert exposition.render() == generate_latest(registry)
+    assert exposition.render() == generate_latest(registry)
+    assert formatted[:2] == ["t_workers", "t_tasks"] and "t_moves" not in formatted
+    assert len(exposition._texts) == 3  # the last scrape's families, no more

@@ -96,3 +96,67 @@ def test_a_sample_spreads_evenly_over_what_a_reader_missed():
     entries, next_seq, skipped = stream.after(0, limit=4, sample=True)
     assert [e.seq for e in entries] == [24, 49, 74, 99] and (next_seq, skipped) == (100, 96)
     assert [e.seq for e in stream.after(98, limit=4, sample=True)[0]] == [98, 99]
+
+
+class CountingSlots(list):
+    """A ring's slot list that counts the slots read."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        CountingSlots.reads += 1
+        return super().__getitem__(index)
+
+
+def test_after_wrap_around_a_read_returns_the_right_entries():
+    """Batches of every size, some crossing the ring's end or larger than the ring: each
+    read answers what a list of every entry ever recorded answers."""
+    import random
+
+    rng = random.Random(12)
+    maxlen = 7
+    stream = TaskStream(maxlen=maxlen)
+    recorded = []  # (key, start) of every entry, by sequence number
+    for round_ in range(200):
+        n = rng.choice([0, 1, 2, 3, 6, 7, 8, 15])
+        batch = reports(n, len(recorded))
+        stream.record("w", batch, True)
+        recorded += [(r["key"], r["start"]) for r in batch]
+        total = len(recorded)
+        assert stream.total == total and len(stream) == min(total, maxlen)
+        held = list(range(max(total - maxlen, 0), total))
+        for seq in (0, total - 3, total - 1, total, total + 5):
+            for limit, sample in ((1000, False), (2, False), (3, True), (1, True), (0, True)):
+                entries, next_seq, skipped = stream.after(seq, limit, sample)
+                wanted = [s for s in held if s >= seq]
+                if sample and 0 < limit < len(wanted):
+                    step = -(-len(wanted) // limit)
+                    expected = wanted[::-1][::step][::-1]
+                else:
+                    expected = wanted[len(wanted) - min(limit, len(wanted)):]
+                assert [e.seq for e in entries] == expected, (round_, seq, limit, sample)
+                assert [(e[1], e[3]) for e in entries] == [recorded[s] for s in expected]
+                assert next_seq == total
+                assert skipped == max(total - max(seq, 0), 0) - len(expected)
+        window = stream.window()
+        assert [e.seq for e in window] == held
+        assert [e[1] for e in window] == [recorded[s][0] for s in held]
+
+
+def test_a_sample_after_wrap_around_reads_only_the_slots_it_returns():
+    """100 entries sampled from the last 100,000 of a ring that has wrapped read 100
+    slots: a read costs what it returns, not what was recorded since the last one."""
+    stream = TaskStream(maxlen=100_000)
+    stream._slots = CountingSlots(stream._slots)
+    batch = reports(1000)
+    for _ in range(250):  # 250,000 entries: the ring wrapped twice and a half
+        stream.record("w", batch, True)
+    CountingSlots.reads = 0
+    entries, next_seq, skipped = stream.after(150_000, limit=100, sample=True)
+    assert CountingSlots.reads == 100 and len(entries) == 100
+    assert [e.seq for e in entries] == list(range(150_999, 250_000, 1000))
+    assert (next_seq, skipped) == (250_000, 99_900)
+    assert entries[-1][1] == "t-999" and entries[0][1] == "t-999"  # each batch's last
+    CountingSlots.reads = 0
+    assert [e.seq for e in stream.after(0, limit=5)[0]] == list(range(249_995, 250_000))
+    assert CountingSlots.reads == 5

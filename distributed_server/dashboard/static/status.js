@@ -7,7 +7,7 @@
   const POLL_MS = 1000;
   const STREAM_WINDOW_S = 30;      // the task stream shows this many recent seconds
   const STREAM_KEEP = 20000;       // entries kept for drawing
-  const STREAM_LIMIT = 250;        // entries asked for per poll (spread over the second)
+  const STREAM_LIMIT = 100;        // entries asked for per poll (spread over the second)
   const PREFIX_SEGMENTS = [        // [class, states] in bar order
     ["memory", ["memory"]],
     ["erred", ["erred"]],
