@@ -58,7 +58,6 @@ import collections
 import contextlib
 import datetime
 import functools
-import itertools
 import logging
 import math
 import os
@@ -73,7 +72,8 @@ from collections.abc import Callable, Iterable
 
 from . import dask_support, logs, remote_run
 from . import versions as versions_module
-from .comm import Blob, Comm, CommClosedError, connect
+from .client_comm import HEARTBEAT_INTERVAL, RELEASE_BATCH_KEYS, GraphTurn, SchedulerComm  # noqa: F401
+from .comm import Blob
 from .futures import (
     ALL_COMPLETED,
     CANCELLED,
@@ -100,9 +100,10 @@ from .futures import (
     wait,
 )
 from .introspection import StoryEntry, WorkerSilent, check_timeout
+from .peer_pool import PeerPool
 from .security import Security
-from .startup import read_scheduler_file
 from .serialize import dumps_data, loads_data, loads_error, sizeof
+from .startup import read_scheduler_file
 from .taskspec import (
     _SEQUENCES,
     _digest,
@@ -140,14 +141,9 @@ PEER_POOL_SIZE = 4
 FETCH_ROUNDS = 12
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
-#: Seconds between the client's heartbeats to the scheduler (it answers each one).
-HEARTBEAT_INTERVAL = 5.0
 #: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
 #: this bounds what a large map costs it in transient memory.
 MAP_BATCH_TASKS = 2_000
-#: Keys per release-keys message at most: a release of a million futures goes as many
-#: small messages, which the scheduler handles in turns with everyone else's.
-RELEASE_BATCH_KEYS = 10_000
 
 
 # Client statuses
@@ -280,10 +276,6 @@ class _ClientLoopThread:
             self.thread.join(timeout)
 
 
-def _ignore(msg: dict) -> None:
-    """A message that only proves the scheduler is alive."""
-
-
 def _shutdown(runner: _ClientLoopThread | None, cluster) -> None:
     """At interpreter exit (or collection) of an unclosed client: stop, never hang."""
     if runner is not None:
@@ -327,7 +319,6 @@ class Client:
         self.asynchronous = asynchronous
         self.timeout = timeout
         self.scheduler_timeout = scheduler_timeout
-        self._last_heard = 0.0  # loop time of the last frame from the scheduler
         if security is None and address is not None:
             security = getattr(address, "security", None) or Security.from_environment()
         self.security = security
@@ -349,33 +340,23 @@ class Client:
         self._set_as_default = set_as_default
         self._lock = threading.Lock()
         self._states: dict = {}
-        self._outbox: collections.deque = collections.deque()
-        self._drain_scheduled = False
-        self._replies: dict[int, asyncio.Future] = {}
-        self._reqids = itertools.count(1)
         self._own_cancels: set = set()  # reqids of our cancels: their echoes are no news
-        self._peers: dict[str, list[Comm]] = {}
-        self._comm: Comm | None = None
-        self._reader: asyncio.Task | None = None
+        self._peers: PeerPool | None = None  # connections to workers (made at connect)
         self._runner: _ClientLoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
         self._finalizer: weakref.finalize | None = None
-        # dask graphs: each takes its place in the outbox as a _GraphTurn when it is
-        # submitted; the outbox stops at it until the graph's slices are all sent, so
-        # nothing queued after it overtakes them; _refusals counts graph-refused messages
+        # _refusals counts graph-refused messages (a graph's slices stop at one)
         self._refusals = 0
         self._background_sends: set = set()
         self._dask_default = None  # a dask_support.DefaultScheduler while we are dask's
-        self._handlers = {
+        #: The scheduler connection and the ordered outbox every message goes through.
+        self._conn = SchedulerComm(self.id, {
             "key-in-memory": self._handle_key_in_memory,
             "task-erred": self._handle_task_erred,
             "cancelled-keys": self._handle_cancelled_keys,
             "graph-refused": self._handle_graph_refused,
-            "reply": self._handle_reply,
-            "error": self._handle_error,
-            "heartbeat": _ignore,
-        }
+        }, release=self._drop_reference, on_lost=self._connection_lost)
         if not asynchronous:
             self._start_sync()
 
@@ -426,33 +407,10 @@ class Client:
     async def _connect(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
-        comm = await connect(self.scheduler_address, {"role": "client", "client_id": self.id},
-                             timeout=self.timeout, security=self.security)
-        if comm.extra.get("role") != "scheduler":
-            comm.abort()
-            raise ConnectionError(f"{self.scheduler_address} is not a scheduler "
-                                  f"(it says role={comm.extra.get('role')!r})")
-        self._comm = comm
-        self._last_heard = self._loop.time()
-        self._reader = self._loop.create_task(self._read_loop(comm))
+        self._peers = PeerPool(self.security, PEER_POOL_SIZE)
+        await self._conn.connect(self.scheduler_address, self.timeout, self.security,
+                                 self.scheduler_timeout)
         self.status = _RUNNING
-        self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
-
-    def _heartbeat(self) -> None:
-        """Tell the scheduler we are alive (it drops clients silent for too long), and
-        give up on a scheduler that has not answered for ``scheduler_timeout``."""
-        comm = self._comm
-        if self.status != _RUNNING or comm is None or comm.closed:
-            return
-        silent = self._loop.time() - self._last_heard
-        if silent > self.scheduler_timeout:
-            logger.warning("the scheduler at %s has not answered for %.1f s",
-                           self.scheduler_address, silent)
-            comm.abort()  # the read loop fails what is pending
-            return
-        with contextlib.suppress(CommClosedError):
-            comm.send({"op": "heartbeat"})
-        self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
 
     def _started(self) -> None:
         self._call_soon(self._check_versions_soon)
@@ -524,17 +482,9 @@ class Client:
             if self.status not in (_RUNNING, _LOST):
                 return
             self.status = _CLOSING
-        comm = self._comm
-        if comm is not None and not comm.closed:
-            self._drain_outbox()
-            comm.send({"op": "close-client"})
-            await comm.close()
-        if self._reader is not None:
-            await self._reader
-        for pool in self._peers.values():
-            for peer in pool:
-                peer.abort()
-        self._peers.clear()
+        await self._conn.close()
+        if self._peers is not None:
+            self._peers.close()
 
     # ------------------------------------------------------------ threads and the outbox
 
@@ -560,54 +510,20 @@ class Client:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _post(self, item) -> None:
-        """Queue a message (dict) or a reference to drop (`_KeyState`), from any thread.
-
-        The loop drains the outbox in order; it is woken once per drain, not per item.
-        """
-        self._outbox.append(item)
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._call_soon(self._drain_outbox)
+        """Queue a message (dict) or a reference to drop (`_KeyState`), from any thread,
+        in the scheduler connection's ordered outbox (`SchedulerComm.post`)."""
+        self._conn.post(item)
 
     def _release_later(self, state: _KeyState) -> None:
         """Drop one reference to ``state`` soon; safe in ``__del__`` (never blocks)."""
         if self.status != _RUNNING:
             return
         with contextlib.suppress(Exception):  # the loop is gone (e.g. at interpreter exit)
-            self._post(state)
-
-    def _drain_outbox(self) -> None:
-        """Send what the outbox holds, in order; consecutive releases share a message.
-
-        A dask graph's turn (`_GraphTurn`) stops the draining: its slices go out next,
-        and the rest of the outbox after them (`_send_plan`).
-        """
-        self._drain_scheduled = False
-        outbox = self._outbox
-        released: list = []
-        while outbox:
-            if type(outbox[0]) is _GraphTurn:
-                if released:
-                    self._send_now({"op": "release-keys", "keys": released})
-                outbox[0].reached()
-                return
-            item = outbox.popleft()
-            if type(item) is _KeyState:
-                if self._drop_reference(item):
-                    released.append(item.key)
-                    if len(released) >= RELEASE_BATCH_KEYS:
-                        self._send_now({"op": "release-keys", "keys": released})
-                        released = []
-                continue
-            if released:
-                self._send_now({"op": "release-keys", "keys": released})
-                released = []
-            self._send_now(item)
-        if released:
-            self._send_now({"op": "release-keys", "keys": released})
+            self._conn.post(state)
 
     def _drop_reference(self, state: _KeyState) -> bool:
-        """One Future of ``state`` is gone; True if it was the last and the key is released."""
+        """One Future of ``state`` is gone; True if it was the last and the key is released
+        (the outbox calls this on the loop as it drains)."""
         with self._lock:
             state.refs -= 1
             if state.refs > 0 or self._states.get(state.key) is not state:
@@ -615,49 +531,17 @@ class Client:
             del self._states[state.key]
         return True
 
-    def _send_now(self, msg: dict) -> None:
-        comm = self._comm
-        if comm is not None and not comm.closed:
-            comm.send(msg)
-
-    def _send_on_loop(self, msg: dict) -> None:
-        """Send from the loop thread, after everything queued before it: through the
-        outbox, so that nothing overtakes a dask graph still going out in slices."""
-        self._outbox.append(msg)
-        self._drain_outbox()
-
     def _check_running(self) -> None:
         if self.status != _RUNNING:
             raise SchedulerConnectionError(f"{self.id} is {self.status}: it cannot reach the "
                                            f"scheduler at {self.scheduler_address}")
 
     async def _request(self, op: str, on_abandon: Callable | None = None, **fields):
-        """Send a request on the scheduler stream and wait for its ``reply``.
-
-        With ``on_abandon`` (requests the scheduler may park: coordination primitives), a
-        caller that stops waiting (cancelled, interrupted) makes the client send
-        ``abandon-request`` and, once the reply comes anyway, call
-        ``on_abandon(result)`` to undo what it granted (a lock acquired meanwhile)."""
+        """Send a request on the scheduler stream, in order, and wait for its ``reply``
+        (`SchedulerComm.request`; ``on_abandon`` undoes what a request its caller gave
+        up on granted)."""
         self._check_running()
-        reqid = next(self._reqids)
-        reply = self._loop.create_future()
-        self._replies[reqid] = reply
-        abandoned = False
-        try:
-            self._send_on_loop({"op": op, "reqid": reqid, **fields})
-            if on_abandon is None:
-                return await reply
-            return await asyncio.shield(reply)
-        except asyncio.CancelledError:
-            if on_abandon is not None:
-                abandoned = True
-                if not reply.done():
-                    self._send_on_loop({"op": "abandon-request", "reqid": reqid})
-                reply.add_done_callback(functools.partial(_undo_abandoned, on_abandon))
-            raise
-        finally:
-            if not abandoned:
-                self._replies.pop(reqid, None)
+        return await self._conn.request(op, on_abandon, fields)
 
     # ------------------------------------------------------------ registering keys
 
@@ -720,25 +604,6 @@ class Client:
 
     # ------------------------------------------------------------ messages from the scheduler
 
-    async def _read_loop(self, comm: Comm) -> None:
-        handlers = self._handlers
-        try:
-            while True:
-                msgs = await comm.read()
-                self._last_heard = self._loop.time()
-                for msg in msgs:
-                    handler = handlers.get(msg["op"])
-                    if handler is None:
-                        logger.warning("unknown message from the scheduler: %.200r", msg)
-                        continue
-                    try:
-                        handler(msg)
-                    except Exception:
-                        logger.exception("cannot handle %.200r", msg)
-                del msgs  # not kept alive while waiting for the next frame
-        except CommClosedError as e:
-            self._connection_lost(e)
-
     def _handle_key_in_memory(self, msg: dict) -> None:
         state = self._states.get(msg["key"])
         if state is not None:
@@ -772,20 +637,6 @@ class Client:
             if state is not None and state.status == PENDING and self._detach(state):
                 state.fail(error, None)
 
-    def _handle_reply(self, msg: dict) -> None:
-        reply = self._replies.pop(msg["reqid"], None)
-        if reply is None or reply.done():
-            return
-        if "error" in msg:
-            reply.set_exception(SchedulerError(msg["error"]))
-        else:
-            reply.set_result(msg.get("result"))
-
-    def _handle_error(self, msg: dict) -> None:
-        """The scheduler refused one of our messages; it changed nothing."""
-        logger.warning("the scheduler refused a %r message: %s", msg.get("request"),
-                       msg.get("error"))
-
     def _connection_lost(self, reason: Exception) -> None:
         """Fail what is pending: nothing more will come from the scheduler."""
         with self._lock:
@@ -800,10 +651,7 @@ class Client:
         error = functools.partial(SchedulerConnectionError, text)
         for state in pending:
             state.fail(error, None)
-        for reply in self._replies.values():
-            if not reply.done():
-                reply.set_exception(error())
-        self._replies.clear()
+        self._conn.fail_requests(error)
 
     # ------------------------------------------------------------ submitting work
 
@@ -932,8 +780,7 @@ class Client:
             if self.asynchronous:
                 self._send_in_background(submission)
             else:
-                turn = _GraphTurn()
-                self._post(turn)
+                turn = self._conn.take_turn()
                 self._sync(self._send_plan, *submission, turn)
         return futures
 
@@ -987,14 +834,11 @@ class Client:
 
     async def _send_then_gather(self, submission, futures):
         if submission is not None:
-            turn = _GraphTurn()
-            self._post(turn)
-            await self._send_plan(*submission, turn)
+            await self._send_plan(*submission, self._conn.take_turn())
         return await self._gather(futures, "raise")
 
     def _send_in_background(self, submission) -> None:
-        turn = _GraphTurn()
-        self._post(turn)  # its place in the order: before anything sent after compute()
+        turn = self._conn.take_turn()  # its place: before anything sent after compute()
         coro = self._send_plan(*submission, turn)
         if self._on_loop():
             task = self._loop.create_task(coro)
@@ -1004,7 +848,7 @@ class Client:
         task.add_done_callback(self._background_sends.discard)
         task.add_done_callback(_log_background_failure)
 
-    async def _send_plan(self, plan, holds: list, created: list, turn: _GraphTurn) -> None:
+    async def _send_plan(self, plan, holds: list, created: list, turn: GraphTurn) -> None:
         """Send a planned dask graph: slice by slice, one update-graph at a time.
 
         The next slice is pickled while the scheduler takes in the previous one; a
@@ -1033,8 +877,8 @@ class Client:
                         raise GraphRefusedError("the scheduler refused part of the "
                                                 "graph; the rest was not sent")
                 self._check_running()
-                self._send_now({"op": "update-graph", "tasks": part.tasks,
-                                "keys": part.keys})
+                self._conn.send_now({"op": "update-graph", "tasks": part.tasks,
+                                     "keys": part.keys})
                 sent_at, n_sent = time.monotonic(), len(part.tasks)
                 temporary.update(part.temporary)
                 if part.release:
@@ -1042,7 +886,7 @@ class Client:
                     self._release_temporary(part.release)
                 if plan.done:
                     break
-                ack = self._ping()
+                ack = self._conn.ping()
                 part = await self._encode(plan)  # while the scheduler takes it in
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
@@ -1054,9 +898,7 @@ class Client:
         finally:
             if temporary and self.status == _RUNNING:
                 self._release_temporary(temporary)
-            with contextlib.suppress(ValueError):  # (gone if the client was closed)
-                self._outbox.remove(turn)  # at the head: the rest may go now
-            self._drain_outbox()
+            self._conn.end_turn(turn)  # at the head: the rest may go now
             for state in holds:
                 self._release_later(state)
 
@@ -1071,22 +913,13 @@ class Client:
         with dask_support.gc_paused():
             return plan.encode_next()
 
-    def _ping(self) -> asyncio.Future:
-        """An empty who-has request, sent now; its reply says the scheduler has handled
-        everything sent before it."""
-        reqid = next(self._reqids)
-        reply = self._loop.create_future()
-        self._replies[reqid] = reply
-        self._send_now({"op": "who-has", "reqid": reqid, "keys": []})
-        return reply
-
     def _release_temporary(self, keys) -> None:
         """Release frontier keys the client wanted only while its graph was sent (keys it
         holds futures of meanwhile stay wanted)."""
         with self._lock:
             keys = [key for key in keys if key not in self._states]
         if keys:
-            self._send_now({"op": "release-keys", "keys": keys})
+            self._conn.send_now({"op": "release-keys", "keys": keys})
 
     # ------------------------------------------------------------ results
 
@@ -1221,25 +1054,15 @@ class Client:
 
     async def _peer_request(self, address: str, msg: dict) -> dict:
         """One request/response with a worker, on a pooled connection."""
-        pool = self._peers.setdefault(address, [])
-        comm = None
-        while pool and comm is None:
-            candidate = pool.pop()
-            comm = None if candidate.closed else candidate
-        if comm is None:
-            comm = await connect(address, {"role": "client", "client_id": self.id},
-                                 timeout=self.timeout,
-                                 security=self.security)
+        comm = await self._peers.connection(address, {"role": "client", "client_id": self.id},
+                                            timeout=self.timeout)
         try:
             await comm.write([msg])
             reply = (await comm.read())[0]
         except BaseException:
             comm.abort()
             raise
-        if len(pool) < PEER_POOL_SIZE and self.status == _RUNNING:
-            pool.append(comm)
-        else:
-            comm.abort()
+        self._peers.give_back(address, comm, keep=self.status == _RUNNING)
         return reply
 
     # ------------------------------------------------------------ scatter
@@ -1313,7 +1136,7 @@ class Client:
                 state.refs += 1
                 states.append(state)
         nbytes = {key: sizeof(value) for key, value in zip(keys, values)}
-        self._send_on_loop({"op": "update-data", "who_has": dict(who_has), "nbytes": nbytes})
+        self._conn.send_in_order({"op": "update-data", "who_has": dict(who_has), "nbytes": nbytes})
         for state, value in zip(states, values):
             if state.status == PENDING:
                 state.finish(None, type(value).__name__)
@@ -1332,9 +1155,9 @@ class Client:
             return
         keys = [s.key for s in states]
         self._check_running()
-        reqid = next(self._reqids)
+        reqid = self._conn.next_reqid()
         self._own_cancels.add(reqid)
-        self._send_on_loop({"op": "cancel", "keys": keys, "force": force, "reqid": reqid})
+        self._conn.send_in_order({"op": "cancel", "keys": keys, "force": force, "reqid": reqid})
         for state in states:
             self._detach(state)
             state.cancel()
@@ -1348,7 +1171,7 @@ class Client:
         if not states:
             return
         self._check_running()
-        self._send_on_loop({"op": "retry", "keys": [s.key for s in states]})
+        self._conn.send_in_order({"op": "retry", "keys": [s.key for s in states]})
         for state in states:
             state.reset()
 
@@ -1664,29 +1487,6 @@ def fire_and_forget(obj) -> None:
         client._post({"op": "fire-and-forget", "keys": keys})
 
 
-class _GraphTurn:
-    """A dask graph's place in the client's outbox: draining stops there until the
-    graph's slices are sent (`Client._send_plan`)."""
-
-    __slots__ = ("_at_head", "_waiter")
-
-    def __init__(self) -> None:
-        self._at_head = False
-        self._waiter: asyncio.Future | None = None
-
-    def reached(self) -> None:
-        """On the loop: everything before it is sent."""
-        self._at_head = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def wait(self, loop) -> None:
-        """Until everything queued before it is sent."""
-        if not self._at_head:
-            self._waiter = loop.create_future()
-            await self._waiter
-
-
 def _refuse_actors(method: str, wanted: bool) -> None:
     if wanted:
         raise NotImplementedError(f"Client.{method}(actor=True): actors are not supported "
@@ -1710,16 +1510,6 @@ def _futures_scheduler(client: Client, options: dict, dsk, keys, **kwargs) -> li
 
 def _same_error(error: BaseException) -> BaseException:
     return error
-
-
-def _undo_abandoned(on_abandon: Callable, reply: asyncio.Future) -> None:
-    """The reply of a request its caller gave up on: undo what it granted."""
-    if reply.cancelled() or reply.exception() is not None:
-        return
-    try:
-        on_abandon(reply.result())
-    except Exception:
-        logger.exception("undoing the abandoned request %r failed", on_abandon)
 
 
 def _log_background_failure(task) -> None:
