@@ -64,7 +64,6 @@ import os
 import pickle
 import random
 import threading
-import time
 import uuid
 import warnings
 import weakref
@@ -72,7 +71,13 @@ from collections.abc import Callable, Iterable
 
 from . import dask_support, logs, remote_run
 from . import versions as versions_module
-from .client_comm import HEARTBEAT_INTERVAL, RELEASE_BATCH_KEYS, GraphTurn, SchedulerComm  # noqa: F401
+from .client_comm import (  # noqa: F401 - HEARTBEAT_INTERVAL, RELEASE_BATCH_KEYS: re-exported
+    HEARTBEAT_INTERVAL,
+    RELEASE_BATCH_KEYS,
+    SchedulerComm,
+    log_background_failure,
+)
+from .client_dask import GraphSender
 from .comm import Blob
 from .futures import (
     ALL_COMPLETED,
@@ -107,11 +112,8 @@ from .startup import read_scheduler_file
 from .taskspec import (
     _SEQUENCES,
     _digest,
-    _flatten_keys,
-    _LegacyGraph,
     _task_options,
     _TaskEncoder,
-    _wire_spec,
 )
 
 __all__ = [
@@ -348,7 +350,8 @@ class Client:
         self._finalizer: weakref.finalize | None = None
         # _refusals counts graph-refused messages (a graph's slices stop at one)
         self._refusals = 0
-        self._background_sends: set = set()
+        #: Sends this client's dask graphs (compute, persist, get).
+        self._graphs = GraphSender(self)
         self._dask_default = None  # a dask_support.DefaultScheduler while we are dask's
         #: The scheduler connection and the ordered outbox every message goes through.
         self._conn = SchedulerComm(self.id, {
@@ -602,6 +605,56 @@ class Client:
             del self._states[state.key]
         return True
 
+    def _hold_graph(self, nodes, wanted: list) -> tuple:
+        """For a dask graph (`client_dask`): Futures of its ``wanted`` keys.
+
+        Returns ``({key: Future}, new keys, keys of the graph held already, states
+        created, references taken on those held keys)``; the caller drops the last ones
+        (`_release_later`) once its plan holds what it needs. KeyError for a new wanted
+        key that is not in the graph.
+        """
+        with self._lock:
+            self._check_running()
+            held = self._states
+            new = [k for k in wanted if k not in held]
+            missing = [k for k in new if k not in nodes]
+            if missing:
+                raise KeyError(f"keys not in the graph: {missing[:5]!r}")
+            known = held.keys() & nodes.keys()
+            first_holds = [held[k] for k in known]
+            for state in first_holds:
+                state.refs += 1
+            by_key = {}
+            created = []
+            for key in wanted:
+                state = held.get(key)
+                if state is None:
+                    state = held[key] = _KeyState(key)
+                    created.append(state)
+                state.refs += 1
+                by_key[key] = Future._attach(state, self)
+        return by_key, new, known, created, first_holds
+
+    def _hold_present(self, keys) -> list[_KeyState]:
+        """A reference to each of ``keys`` this client holds (dropped with
+        `_release_later`): a graph being sent needs them meanwhile."""
+        with self._lock:
+            held = self._states
+            holds = [held[k] for k in keys if k in held]
+            for state in holds:
+                state.refs += 1
+        return holds
+
+    def _release_temporary(self, keys) -> None:
+        """Release frontier keys the client wanted only while its graph was sent (keys it
+        holds futures of meanwhile stay wanted); nothing once the client is closing."""
+        if self.status != _RUNNING:
+            return
+        with self._lock:
+            keys = [key for key in keys if key not in self._states]
+        if keys:
+            self._conn.send_now({"op": "release-keys", "keys": keys})
+
     # ------------------------------------------------------------ messages from the scheduler
 
     def _handle_key_in_memory(self, msg: dict) -> None:
@@ -714,22 +767,7 @@ class Client:
         if kwargs:
             raise TypeError(f"get() got unexpected keyword arguments {sorted(kwargs)}")
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
-        if not dask_support.dask_available():
-            if not isinstance(dsk, dict):
-                raise ImportError(dask_support.DASK_REQUIRED)
-            return self._get_legacy(dsk, keys, options)
-        futures, submission = self._dask_graph_futures(dsk, keys, options)
-        return self._sync(self._send_then_gather, submission, futures)
-
-    def _get_legacy(self, graph: dict, keys, options: dict):
-        """`get` without dask: a dict graph of legacy tuples converted by _LegacyGraph."""
-        wanted = _flatten_keys(keys)
-        unknown = [k for k in wanted if k not in graph]
-        if unknown:
-            raise KeyError(f"keys not in the graph: {unknown[:5]!r}")
-        futures = self._register(_LegacyGraph(graph).tasks(options), wanted)
-        by_key = dict(zip(wanted, futures))
-        return self._sync(self._gather, _keys_to_futures(keys, by_key), "raise")
+        return self._graphs.get(dsk, keys, options)
 
     # ------------------------------------------------------------ dask collections
 
@@ -744,14 +782,8 @@ class Client:
         (an asynchronous client sends it in the background). Options as in `submit`;
         dask annotations override them per task. Needs dask.
         """
-        dask = dask_support.require_dask()
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
-        singleton = not isinstance(collections, (list, tuple, set, frozenset))
-        items = [collections] if singleton else list(collections)
-        scheduler = functools.partial(_futures_scheduler, self, options)
-        futures = list(dask.compute(*items, scheduler=scheduler, optimize_graph=optimize_graph))
-        result = futures[0] if singleton else futures
-        return self.gather(result) if sync else result
+        return self._graphs.compute(collections, sync, optimize_graph, options)
 
     def persist(self, collections, optimize_graph: bool = True, *, retries: int = 0,
                 priority: int = 0, workers=None, resources: dict | None = None,
@@ -763,163 +795,8 @@ class Client:
         recomputing them, and the results are released when the collection is garbage
         collected. Returns once the graph is sent. Needs dask.
         """
-        dask = dask_support.require_dask()
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
-        singleton = not isinstance(collections, (list, tuple, set, frozenset))
-        items = [collections] if singleton else list(collections)
-        scheduler = functools.partial(_futures_scheduler, self, options)
-        persisted = list(dask.persist(*items, scheduler=scheduler,
-                                      optimize_graph=optimize_graph))
-        return persisted[0] if singleton else persisted
-
-    def _dask_submit(self, dsk, keys, options: dict) -> list:
-        """Futures for ``keys`` (a flat list) of a dask graph; sends the graph (in the
-        background for an asynchronous client)."""
-        futures, submission = self._dask_graph_futures(dsk, keys, options)
-        if submission is not None:
-            if self.asynchronous:
-                self._send_in_background(submission)
-            else:
-                turn = self._conn.take_turn()
-                self._sync(self._send_plan, *submission, turn)
-        return futures
-
-    def _dask_graph_futures(self, dsk, keys, options: dict) -> tuple:
-        """Materialize, order and plan a dask graph for ``keys``.
-
-        Returns ``(futures shaped like keys, submission or None)``; the submission,
-        ``(plan, holds, new states)``, is for `_send_plan`. Keys this client holds already
-        are not sent again and the graph is cut there. Held keys the graph depends on
-        are held (``holds``) until it is sent, so nothing releases them meanwhile.
-        """
-        with dask_support.gc_paused():
-            graph = dask_support.materialize(dsk)
-        nodes = graph.nodes
-        flat = _flatten_keys(keys)
-        wanted = list(dict.fromkeys(flat))
-        with self._lock:
-            self._check_running()
-            held = self._states
-            new = [k for k in wanted if k not in held]
-            missing = [k for k in new if k not in nodes]
-            if missing:
-                raise KeyError(f"keys not in the graph: {missing[:5]!r}")
-            known = held.keys() & nodes.keys()
-            first_holds = [held[k] for k in known]
-            for state in first_holds:
-                state.refs += 1
-            by_key = {}
-            created = []
-            for key in wanted:
-                state = held.get(key)
-                if state is None:
-                    state = held[key] = _KeyState(key)
-                    created.append(state)
-                state.refs += 1
-                by_key[key] = Future._attach(state, self)
-        futures = _keys_to_futures(keys, by_key)
-        try:
-            if not new:
-                return futures, None
-            with dask_support.gc_paused():
-                plan = dask_support.GraphPlan(graph, new, known, options, wire=_wire_spec)
-            with self._lock:
-                holds = [held[k] for k in plan.external if k in held]
-                for state in holds:
-                    state.refs += 1
-        finally:
-            for state in first_holds:
-                self._release_later(state)
-        return futures, (plan, holds, created)
-
-    async def _send_then_gather(self, submission, futures):
-        if submission is not None:
-            await self._send_plan(*submission, self._conn.take_turn())
-        return await self._gather(futures, "raise")
-
-    def _send_in_background(self, submission) -> None:
-        turn = self._conn.take_turn()  # its place: before anything sent after compute()
-        coro = self._send_plan(*submission, turn)
-        if self._on_loop():
-            task = self._loop.create_task(coro)
-        else:
-            task = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        self._background_sends.add(task)  # the loop keeps only a weak reference
-        task.add_done_callback(self._background_sends.discard)
-        task.add_done_callback(_log_background_failure)
-
-    async def _send_plan(self, plan, holds: list, created: list, turn: GraphTurn) -> None:
-        """Send a planned dask graph: slice by slice, one update-graph at a time.
-
-        The next slice is pickled while the scheduler takes in the previous one; a
-        ``who-has`` request after each slice paces the sending, so the scheduler handles
-        one slice per turn of its event loop and serves heartbeats and other clients in
-        between. Slice sizes follow the time from sending a slice to that answer (which
-        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier
-        keys are wanted only until their last dependent is sent
-        (`dask_support.SlicePart`). Failures fail the new keys.
-        """
-        temporary: set = set()
-        try:
-            await turn.wait(self._loop)  # what was queued before this graph goes first
-            refusals = self._refusals
-            ack = None
-            sent_at, n_sent = 0.0, 0
-            part = await self._encode(plan)
-            while True:
-                if ack is not None:
-                    await ack
-                    taken = time.monotonic() - sent_at
-                    logger.debug("graph slice of %d tasks taken in by the scheduler "
-                                 "in %.1f ms", n_sent, 1e3 * taken)
-                    plan.adapt(n_sent, taken)
-                    if self._refusals != refusals:
-                        raise GraphRefusedError("the scheduler refused part of the "
-                                                "graph; the rest was not sent")
-                self._check_running()
-                self._conn.send_now({"op": "update-graph", "tasks": part.tasks,
-                                     "keys": part.keys})
-                sent_at, n_sent = time.monotonic(), len(part.tasks)
-                temporary.update(part.temporary)
-                if part.release:
-                    temporary.difference_update(part.release)
-                    self._release_temporary(part.release)
-                if plan.done:
-                    break
-                ack = self._conn.ping()
-                part = await self._encode(plan)  # while the scheduler takes it in
-        except BaseException as exc:
-            error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
-                f"sending the graph was interrupted: {exc!r}")
-            for state in created:
-                if state.status == PENDING:
-                    state.fail(functools.partial(_same_error, error), None)
-            raise
-        finally:
-            if temporary and self.status == _RUNNING:
-                self._release_temporary(temporary)
-            self._conn.end_turn(turn)  # at the head: the rest may go now
-            for state in holds:
-                self._release_later(state)
-
-    async def _encode(self, plan):
-        """The next slice of ``plan``, pickled right here on the loop while the scheduler
-        takes in the previous one (in its own process).
-
-        Not in a thread: it was no faster (on a small machine the workers, already
-        running the first slices, compete for the same cores) and two busy threads
-        share the GIL badly. The loop is busy for at most about one slice's time.
-        """
-        with dask_support.gc_paused():
-            return plan.encode_next()
-
-    def _release_temporary(self, keys) -> None:
-        """Release frontier keys the client wanted only while its graph was sent (keys it
-        holds futures of meanwhile stay wanted)."""
-        with self._lock:
-            keys = [key for key in keys if key not in self._states]
-        if keys:
-            self._conn.send_now({"op": "release-keys", "keys": keys})
+        return self._graphs.persist(collections, optimize_graph, options)
 
     # ------------------------------------------------------------ results
 
@@ -1214,7 +1091,7 @@ class Client:
 
     async def _spawn_run(self, payload: bytes, workers) -> None:
         task = asyncio.ensure_future(self._run_everywhere(payload, workers, "return"))
-        task.add_done_callback(_log_background_failure)
+        task.add_done_callback(log_background_failure)
 
     async def _run_everywhere(self, payload: bytes, workers, on_error: str) -> dict:
         addresses = await self._worker_addresses(workers)
@@ -1272,7 +1149,7 @@ class Client:
 
     def _check_versions_soon(self) -> None:
         task = self._loop.create_task(self._warn_on_other_versions())
-        task.add_done_callback(_log_background_failure)
+        task.add_done_callback(log_background_failure)
 
     async def _warn_on_other_versions(self) -> None:
         """At connect: warn if the scheduler runs other versions of what must match."""
@@ -1491,33 +1368,6 @@ def _refuse_actors(method: str, wanted: bool) -> None:
     if wanted:
         raise NotImplementedError(f"Client.{method}(actor=True): actors are not supported "
                                   f"by distributed-core; submit plain tasks")
-
-
-def _keys_to_futures(keys, by_key: dict):
-    if type(keys) is list:
-        return [_keys_to_futures(k, by_key) for k in keys]
-    return by_key[keys]
-
-
-def _futures_scheduler(client: Client, options: dict, dsk, keys, **kwargs) -> list:
-    """A dask scheduler function that returns the keys' futures instead of their values
-    (what `Client.compute` and `Client.persist` hand to ``dask.compute``/``dask.persist``;
-    a partial of it has no ``__self__``, so dask does not take it for a client)."""
-    if kwargs:
-        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
-    return client._dask_submit(dsk, keys, options)
-
-
-def _same_error(error: BaseException) -> BaseException:
-    return error
-
-
-def _log_background_failure(task) -> None:
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        logger.error("the client's background task %s failed: %r", task.get_name(), exc)
 
 
 def _plan_fetch(who_has: dict, keys: Iterable, tried: dict) -> dict[str, list]:

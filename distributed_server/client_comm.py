@@ -45,7 +45,7 @@ from .comm import Comm, CommClosedError, connect
 from .futures import SchedulerError, _KeyState
 from .security import Security
 
-__all__ = ["GraphTurn", "SchedulerComm"]
+__all__ = ["GraphTurn", "SchedulerComm", "log_background_failure"]
 
 logger = logging.getLogger("distributed_server.client")
 
@@ -77,6 +77,15 @@ class GraphTurn:
         if not self._at_head:
             self._waiter = loop.create_future()
             await self._waiter
+
+
+def log_background_failure(task) -> None:
+    """Done callback of a task the client runs in the background: log its failure."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.error("the client's background task %s failed: %r", task.get_name(), exc)
 
 
 def _ignore(msg: dict) -> None:

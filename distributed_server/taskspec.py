@@ -31,7 +31,6 @@ from .comm import Blob
 from .futures import CANCELLED, CancelledError, Future, FutureClient
 from .serialize import Call, TaskRef, dumps_spec
 
-
 #: Task specs larger than this travel as an out-of-band Blob.
 SPEC_BLOB_BYTES = 64 * 1024
 
