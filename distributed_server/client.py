@@ -62,12 +62,11 @@ import logging
 import math
 import os
 import pickle
-import random
 import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from . import dask_support, logs, remote_run
 from . import versions as versions_module
@@ -78,7 +77,12 @@ from .client_comm import (  # noqa: F401 - HEARTBEAT_INTERVAL, RELEASE_BATCH_KEY
     log_background_failure,
 )
 from .client_dask import GraphSender
-from .comm import Blob
+from .client_transfers import (  # noqa: F401 - FETCH_ROUNDS, PEER_POOL_SIZE: re-exported
+    FETCH_ROUNDS,
+    PEER_POOL_SIZE,
+    WorkerTransfers,
+    place,
+)
 from .futures import (
     ALL_COMPLETED,
     CANCELLED,
@@ -105,9 +109,8 @@ from .futures import (
     wait,
 )
 from .introspection import StoryEntry, WorkerSilent, check_timeout
-from .peer_pool import PeerPool
 from .security import Security
-from .serialize import dumps_data, loads_data, loads_error, sizeof
+from .serialize import dumps_data, loads_error, sizeof
 from .startup import read_scheduler_file
 from .taskspec import (
     _SEQUENCES,
@@ -137,10 +140,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Idle connections kept per worker for fetching results.
-PEER_POOL_SIZE = 4
-#: Rounds of who-has + get-data before a fetch gives up on a key that holders do not give.
-FETCH_ROUNDS = 12
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
 #: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
@@ -343,7 +342,7 @@ class Client:
         self._lock = threading.Lock()
         self._states: dict = {}
         self._own_cancels: set = set()  # reqids of our cancels: their echoes are no news
-        self._peers: PeerPool | None = None  # connections to workers (made at connect)
+        self._transfers: WorkerTransfers | None = None  # with workers (made at connect)
         self._runner: _ClientLoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
@@ -410,7 +409,8 @@ class Client:
     async def _connect(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
-        self._peers = PeerPool(self.security, PEER_POOL_SIZE)
+        self._transfers = WorkerTransfers(self.id, self.security, self.timeout,
+                                          keep_connections=self._is_running)
         await self._conn.connect(self.scheduler_address, self.timeout, self.security,
                                  self.scheduler_timeout)
         self.status = _RUNNING
@@ -486,8 +486,8 @@ class Client:
                 return
             self.status = _CLOSING
         await self._conn.close()
-        if self._peers is not None:
-            self._peers.close()
+        if self._transfers is not None:
+            self._transfers.close()
 
     # ------------------------------------------------------------ threads and the outbox
 
@@ -533,6 +533,9 @@ class Client:
                 return False
             del self._states[state.key]
         return True
+
+    def _is_running(self) -> bool:
+        return self.status == _RUNNING
 
     def _check_running(self) -> None:
         if self.status != _RUNNING:
@@ -880,67 +883,8 @@ class Client:
                         remote.append(state)
                     else:
                         values[state] = pickle.loads(state.data)
-            todo = await self._fetch(remote, values) if remote else []
+            todo = await self._transfers.fetch(remote, values, self._who_has) if remote else []
         return values
-
-    async def _fetch(self, states: list[_KeyState], values: dict) -> list[_KeyState]:
-        """Fetch finished results from the workers into ``values``.
-
-        One who-has for all keys, then one get-data per worker. Keys a holder could not
-        give are asked again (another holder, a fresh who-has). Returns the states whose
-        data no worker has: pending again (being recomputed) unless news came meanwhile.
-        """
-        by_key = {s.key: s for s in states}
-        tried: dict = collections.defaultdict(set)
-        delay = 0.01
-        for _ in range(FETCH_ROUNDS):
-            epochs = {key: by_key[key].epoch for key in by_key}
-            who_has = await self._request("who-has", keys=list(by_key))
-            lost = [by_key.pop(k) for k in list(by_key) if not who_has.get(k)]
-            for state in lost:
-                if state.epoch == epochs[state.key]:  # not recomputed since we asked
-                    state.reset()
-            plan = _plan_fetch(who_has, by_key, tried)
-            replies = await asyncio.gather(*[self._get_data(address, keys)
-                                             for address, keys in plan.items()])
-            for address, (data, missing) in zip(plan, replies):
-                for key, value in data.items():
-                    values[by_key.pop(key)] = value
-                for key in missing:
-                    tried[key].add(address)
-            if not by_key:
-                return lost
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        raise SchedulerError(f"could not fetch {list(by_key)[:5]!r} from the workers "
-                             f"that hold them")
-
-    async def _get_data(self, address: str, keys: list) -> tuple[dict, list]:
-        """``({key: value}, missing keys)`` from one worker; all missing if it fails."""
-        try:
-            reply = await self._peer_request(address, {"op": "get-data", "keys": keys})
-        except OSError as e:
-            logger.info("cannot get data from %s: %s", address, e)
-            return {}, keys
-        if reply.get("op") != "data":
-            logger.warning("worker %s answered get-data with %.200r", address, reply)
-            return {}, keys
-        data = {key: loads_data(frames) for key, frames in reply["data"].items()}
-        missing = [key for key in keys if key not in data]
-        return data, missing
-
-    async def _peer_request(self, address: str, msg: dict) -> dict:
-        """One request/response with a worker, on a pooled connection."""
-        comm = await self._peers.connection(address, {"role": "client", "client_id": self.id},
-                                            timeout=self.timeout)
-        try:
-            await comm.write([msg])
-            reply = (await comm.read())[0]
-        except BaseException:
-            comm.abort()
-            raise
-        self._peers.give_back(address, comm, keep=self.status == _RUNNING)
-        return reply
 
     # ------------------------------------------------------------ scatter
 
@@ -964,8 +908,8 @@ class Client:
             keys = [f"{type(v).__name__}-{_digest(*f) if hash else uuid.uuid4().hex}"
                     for v, f in zip(values, frames)]
         targets = await self._scatter_targets(workers)
-        placement = _place(keys, targets, broadcast)
-        await asyncio.gather(*[self._put_data(address, {k: frames[i] for i, k in items})
+        placement = place(keys, targets, broadcast)
+        await asyncio.gather(*[self._transfers.put_data(address, {k: frames[i] for i, k in items})
                                for address, items in placement.items()])
         futures = self._register_scattered(keys, values, placement)
         if isinstance(data, dict):
@@ -989,13 +933,6 @@ class Client:
                 raise ValueError(f"unknown worker {worker!r}")
             chosen.append(address)
         return chosen
-
-    async def _put_data(self, address: str, frames_by_key: dict) -> None:
-        msg = {"op": "put-data",
-               "data": {k: [Blob(f) for f in frames] for k, frames in frames_by_key.items()}}
-        reply = await self._peer_request(address, msg)
-        if reply.get("op") != "ok":
-            raise SchedulerError(f"worker {address} refused put-data: {reply!r:.200}")
 
     def _register_scattered(self, keys: list, values: list, placement: dict) -> list[Future]:
         """Futures for scattered keys; the scheduler learns where they are (loop thread)."""
@@ -1098,7 +1035,8 @@ class Client:
 
         async def one(address):
             try:
-                reply = await self._peer_request(address, {"op": "run", "function": payload})
+                reply = await self._transfers.request(address, {"op": "run",
+                                                                "function": payload})
             except OSError as exc:
                 return exc
             return remote_run.unpack_reply(reply)
@@ -1368,24 +1306,3 @@ def _refuse_actors(method: str, wanted: bool) -> None:
     if wanted:
         raise NotImplementedError(f"Client.{method}(actor=True): actors are not supported "
                                   f"by distributed-core; submit plain tasks")
-
-
-def _plan_fetch(who_has: dict, keys: Iterable, tried: dict) -> dict[str, list]:
-    """``{worker: [keys]}``: one holder per key, preferring holders not tried yet."""
-    plan: dict = collections.defaultdict(list)
-    for key in keys:
-        holders = who_has[key]
-        fresh = [a for a in holders if a not in tried[key]] if tried else holders
-        plan[random.choice(fresh or holders)].append(key)
-    return plan
-
-
-def _place(keys: list, targets: list[str], broadcast: bool) -> dict[str, list]:
-    """``{worker: [(index, key)]}``: round robin, or every key everywhere."""
-    if not targets:
-        raise ValueError("no workers to scatter to")
-    placement: dict = collections.defaultdict(list)
-    for i, key in enumerate(keys):
-        for address in targets if broadcast else [targets[i % len(targets)]]:
-            placement[address].append((i, key))
-    return placement

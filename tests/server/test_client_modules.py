@@ -31,7 +31,8 @@ def _imported_modules(name: str) -> set[str]:
 
 
 def test_the_modules_the_client_is_made_of_do_not_import_it():
-    for name in ("futures", "taskspec", "client_comm", "client_dask", "peer_pool"):
+    for name in ("futures", "taskspec", "client_comm", "client_dask", "client_transfers",
+                 "peer_pool"):
         imported = _imported_modules(name)
         assert ".client" not in imported and "distributed_server.client" not in imported, name
 
