@@ -18,6 +18,26 @@ What this module does
   of a key goes away. Task specs are built by `distributed_server.taskspec`. The names of
   both modules that users import are exported here too (see ``__all__``).
 
+The modules of the client
+-------------------------
+The `Client` class stays here, with its key table (``_states``: one `_KeyState` per key
+held, counted by reference under ``_lock``), the scheduler's messages about keys, and
+its public methods; each of these modules does one job for it:
+
+- `distributed_server.futures`: `Future`, `wait`, `as_completed`, the exceptions, and
+  `FutureClient`, the protocol of what a Future needs from its client (this class
+  implements it; futures never import this module).
+- `distributed_server.client_comm`: the connection to the scheduler (`SchedulerComm`:
+  handshake, heartbeats, reading) and the ordered outbox every message goes through,
+  with a dask graph's turn in it (`GraphTurn`) and requests matched to replies by id.
+- `distributed_server.client_loop`: the event loop thread of a sync client.
+- `distributed_server.client_transfers`: fetching results from workers, ``put-data``
+  for `scatter`, ``run`` (`WorkerTransfers`), on the `PeerPool` of
+  `distributed_server.peer_pool`, the pool class the workers use too.
+- `distributed_server.client_dask`: `compute`, `persist` and `get` of dask graphs
+  (`GraphSender`), on top of `distributed_server.dask_support`'s conversion and plan.
+- `distributed_server.taskspec`: the task dicts of `submit` and `map`, and their keys.
+
 Threads
 -------
 Every change of a key's status happens on the loop thread. User threads only create key
@@ -38,8 +58,8 @@ With dask installed (the ``dask`` extra), `get` is a dask scheduler
 collections, and a client made with ``set_as_default=True`` is dask's default scheduler
 until it closes. The graph is materialized, ordered and pickled here, in slices, by
 `dask_support`; the graph takes its turn in the outbox when it is submitted and
-`_send_plan` sends its slices one at a time from there, so that nothing queued later
-overtakes them. Without dask these methods raise an
+`client_dask.GraphSender.send_plan` sends its slices one at a time from there, so that
+nothing queued later overtakes them. Without dask these methods raise an
 ImportError naming the extra, and `get` converts dict graphs itself
 (`taskspec._LegacyGraph`).
 
@@ -77,6 +97,7 @@ from .client_comm import (  # noqa: F401 - HEARTBEAT_INTERVAL, RELEASE_BATCH_KEY
     log_background_failure,
 )
 from .client_dask import GraphSender
+from .client_loop import ClientLoopThread
 from .client_transfers import (  # noqa: F401 - FETCH_ROUNDS, PEER_POOL_SIZE: re-exported
     FETCH_ROUNDS,
     PEER_POOL_SIZE,
@@ -228,56 +249,7 @@ def _rebuild(obj, values: dict):
     return obj
 
 
-# ---------------------------------------------------------------------------- loop thread
-
-
-class _ClientLoopThread:
-    """An asyncio event loop (tornado's IOLoop runs on it) in a daemon thread."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self._close_loop()
-
-    def _close_loop(self) -> None:
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            self.loop.run_until_complete(asyncio.wait(tasks, timeout=1))
-        self.loop.close()
-
-    def run(self, coro, timeout: float | None = None):
-        """Run ``coro`` on the loop and wait for its result (an interrupt cancels it)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except asyncio.CancelledError as e:
-            # our CancelledError (concurrent.futures') that asyncio turned into its own
-            # on the way out of run_coroutine_threadsafe: a cancelled key, not a cancelled call
-            raise CancelledError(*e.args) from None
-        except BaseException:
-            future.cancel()
-            raise
-
-    def stop(self, timeout: float) -> None:
-        """Stop the loop and wait up to ``timeout`` seconds for the thread to end."""
-        try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # already closed
-            return
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
-
-
-def _shutdown(runner: _ClientLoopThread | None, cluster) -> None:
+def _shutdown(runner: ClientLoopThread | None, cluster) -> None:
     """At interpreter exit (or collection) of an unclosed client: stop, never hang."""
     if runner is not None:
         runner.stop(CLOSE_TIMEOUT)
@@ -343,7 +315,7 @@ class Client:
         self._states: dict = {}
         self._own_cancels: set = set()  # reqids of our cancels: their echoes are no news
         self._transfers: WorkerTransfers | None = None  # with workers (made at connect)
-        self._runner: _ClientLoopThread | None = None
+        self._runner: ClientLoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
         self._finalizer: weakref.finalize | None = None
@@ -371,7 +343,7 @@ class Client:
         if self.scheduler_address is None:
             self._cluster = self.cluster = self._make_cluster()
             self.scheduler_address = self._cluster.scheduler_address
-        self._runner = _ClientLoopThread(name=f"{self.id}-loop")
+        self._runner = ClientLoopThread(name=f"{self.id}-loop")
         try:
             self._runner.run(self._connect())
         except BaseException:

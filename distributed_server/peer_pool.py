@@ -53,6 +53,10 @@ class PeerPool:
         else:
             comm.abort()
 
+    def idle(self, address: str) -> int:
+        """How many idle connections to ``address`` the pool keeps now."""
+        return len(self._idle.get(address, ()))
+
     def close(self) -> None:
         """Abort every idle connection; connections given back later are aborted too."""
         self.closed = True

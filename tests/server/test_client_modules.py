@@ -32,7 +32,7 @@ def _imported_modules(name: str) -> set[str]:
 
 def test_the_modules_the_client_is_made_of_do_not_import_it():
     for name in ("futures", "taskspec", "client_comm", "client_dask", "client_transfers",
-                 "peer_pool"):
+                 "client_loop", "peer_pool"):
         imported = _imported_modules(name)
         assert ".client" not in imported and "distributed_server.client" not in imported, name
 
@@ -86,6 +86,7 @@ def test_a_peer_pool_reuses_an_idle_connection_and_keeps_at_most_max_idle():
             pool.give_back(listener.address, first)
             pool.give_back(listener.address, second)  # over max_idle: aborted
             assert second.closed and not first.closed
+            assert pool.idle(listener.address) == 1
             assert await pool.connection(listener.address, hello, timeout=5) is first
             pool.give_back(listener.address, first, keep=False)
             assert first.closed
