@@ -881,7 +881,8 @@ class Client:
                     for v, f in zip(values, frames)]
         targets = await self._scatter_targets(workers)
         placement = place(keys, targets, broadcast)
-        await asyncio.gather(*[self._transfers.put_data(address, {k: frames[i] for i, k in items})
+        transfers = self._transfers
+        await asyncio.gather(*[transfers.put_data(address, {k: frames[i] for i, k in items})
                                for address, items in placement.items()])
         futures = self._register_scattered(keys, values, placement)
         if isinstance(data, dict):
@@ -922,7 +923,8 @@ class Client:
                 state.refs += 1
                 states.append(state)
         nbytes = {key: sizeof(value) for key, value in zip(keys, values)}
-        self._conn.send_in_order({"op": "update-data", "who_has": dict(who_has), "nbytes": nbytes})
+        self._conn.send_in_order({"op": "update-data", "who_has": dict(who_has),
+                                  "nbytes": nbytes})
         for state, value in zip(states, values):
             if state.status == PENDING:
                 state.finish(None, type(value).__name__)
