@@ -506,6 +506,16 @@ class Client:
             del self._states[state.key]
         return True
 
+    def _send_on_loop(self, msg: dict) -> None:
+        """Send from the loop thread, after everything queued before it (through the
+        outbox: `SchedulerComm.send_in_order`)."""
+        self._conn.send_in_order(msg)
+
+    async def _peer_request(self, address: str, msg: dict) -> dict:
+        """One request/response with a worker on a pooled connection
+        (`WorkerTransfers.request`)."""
+        return await self._transfers.request(address, msg)
+
     def _is_running(self) -> bool:
         return self.status == _RUNNING
 
@@ -923,8 +933,7 @@ class Client:
                 state.refs += 1
                 states.append(state)
         nbytes = {key: sizeof(value) for key, value in zip(keys, values)}
-        self._conn.send_in_order({"op": "update-data", "who_has": dict(who_has),
-                                  "nbytes": nbytes})
+        self._send_on_loop({"op": "update-data", "who_has": dict(who_has), "nbytes": nbytes})
         for state, value in zip(states, values):
             if state.status == PENDING:
                 state.finish(None, type(value).__name__)
@@ -945,7 +954,7 @@ class Client:
         self._check_running()
         reqid = self._conn.next_reqid()
         self._own_cancels.add(reqid)
-        self._conn.send_in_order({"op": "cancel", "keys": keys, "force": force, "reqid": reqid})
+        self._send_on_loop({"op": "cancel", "keys": keys, "force": force, "reqid": reqid})
         for state in states:
             self._detach(state)
             state.cancel()
@@ -959,7 +968,7 @@ class Client:
         if not states:
             return
         self._check_running()
-        self._conn.send_in_order({"op": "retry", "keys": [s.key for s in states]})
+        self._send_on_loop({"op": "retry", "keys": [s.key for s in states]})
         for state in states:
             state.reset()
 
@@ -1009,8 +1018,7 @@ class Client:
 
         async def one(address):
             try:
-                reply = await self._transfers.request(address, {"op": "run",
-                                                                "function": payload})
+                reply = await self._peer_request(address, {"op": "run", "function": payload})
             except OSError as exc:
                 return exc
             return remote_run.unpack_reply(reply)
