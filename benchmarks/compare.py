@@ -76,7 +76,7 @@ def _system(spec: dict, logdir: str):
 def _count_dcore_tasks(client) -> dict:
     """Wrap the distributed-core client's graph planning to count the tasks it sends."""
     seen = {"tasks": 0}
-    original = client._dask_graph_futures
+    original = client._graphs.graph_futures
 
     def counting(*args, **kwargs):
         futures, submission = original(*args, **kwargs)
@@ -84,7 +84,7 @@ def _count_dcore_tasks(client) -> dict:
             seen["tasks"] += len(submission[0].sequence)
         return futures, submission
 
-    client._dask_graph_futures = counting
+    client._graphs.graph_futures = counting
     return seen
 
 

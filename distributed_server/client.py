@@ -18,6 +18,26 @@ What this module does
   of a key goes away. Task specs are built by `distributed_server.taskspec`. The names of
   both modules that users import are exported here too (see ``__all__``).
 
+The modules of the client
+-------------------------
+The `Client` class stays here, with its key table (``_states``: one `_KeyState` per key
+held, counted by reference under ``_lock``), the scheduler's messages about keys, and
+its public methods; each of these modules does one job for it:
+
+- `distributed_server.futures`: `Future`, `wait`, `as_completed`, the exceptions, and
+  `FutureClient`, the protocol of what a Future needs from its client (this class
+  implements it; futures never import this module).
+- `distributed_server.client_comm`: the connection to the scheduler (`SchedulerComm`:
+  handshake, heartbeats, reading) and the ordered outbox every message goes through,
+  with a dask graph's turn in it (`GraphTurn`) and requests matched to replies by id.
+- `distributed_server.client_loop`: the event loop thread of a sync client.
+- `distributed_server.client_transfers`: fetching results from workers, ``put-data``
+  for `scatter`, ``run`` (`WorkerTransfers`), on the `PeerPool` of
+  `distributed_server.peer_pool`, the pool class the workers use too.
+- `distributed_server.client_dask`: `compute`, `persist` and `get` of dask graphs
+  (`GraphSender`), on top of `distributed_server.dask_support`'s conversion and plan.
+- `distributed_server.taskspec`: the task dicts of `submit` and `map`, and their keys.
+
 Threads
 -------
 Every change of a key's status happens on the loop thread. User threads only create key
@@ -38,8 +58,8 @@ With dask installed (the ``dask`` extra), `get` is a dask scheduler
 collections, and a client made with ``set_as_default=True`` is dask's default scheduler
 until it closes. The graph is materialized, ordered and pickled here, in slices, by
 `dask_support`; the graph takes its turn in the outbox when it is submitted and
-`_send_plan` sends its slices one at a time from there, so that nothing queued later
-overtakes them. Without dask these methods raise an
+`client_dask.GraphSender.send_plan` sends its slices one at a time from there, so that
+nothing queued later overtakes them. Without dask these methods raise an
 ImportError naming the extra, and `get` converts dict graphs itself
 (`taskspec._LegacyGraph`).
 
@@ -58,22 +78,32 @@ import collections
 import contextlib
 import datetime
 import functools
-import itertools
 import logging
 import math
 import os
 import pickle
-import random
 import threading
-import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from . import dask_support, logs, remote_run
 from . import versions as versions_module
-from .comm import Blob, Comm, CommClosedError, connect
+from .client_comm import (  # noqa: F401 - HEARTBEAT_INTERVAL, RELEASE_BATCH_KEYS: re-exported
+    HEARTBEAT_INTERVAL,
+    RELEASE_BATCH_KEYS,
+    SchedulerComm,
+    log_background_failure,
+)
+from .client_dask import GraphSender
+from .client_loop import ClientLoopThread
+from .client_transfers import (  # noqa: F401 - FETCH_ROUNDS, PEER_POOL_SIZE: re-exported
+    FETCH_ROUNDS,
+    PEER_POOL_SIZE,
+    WorkerTransfers,
+    place,
+)
 from .futures import (
     ALL_COMPLETED,
     CANCELLED,
@@ -101,16 +131,13 @@ from .futures import (
 )
 from .introspection import StoryEntry, WorkerSilent, check_timeout
 from .security import Security
+from .serialize import dumps_data, loads_error, sizeof
 from .startup import read_scheduler_file
-from .serialize import dumps_data, loads_data, loads_error, sizeof
 from .taskspec import (
     _SEQUENCES,
     _digest,
-    _flatten_keys,
-    _LegacyGraph,
     _task_options,
     _TaskEncoder,
-    _wire_spec,
 )
 
 __all__ = [
@@ -134,20 +161,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Idle connections kept per worker for fetching results.
-PEER_POOL_SIZE = 4
-#: Rounds of who-has + get-data before a fetch gives up on a key that holders do not give.
-FETCH_ROUNDS = 12
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
-#: Seconds between the client's heartbeats to the scheduler (it answers each one).
-HEARTBEAT_INTERVAL = 5.0
 #: Tasks per update-graph that `map` sends: the scheduler decodes a message whole, so
 #: this bounds what a large map costs it in transient memory.
 MAP_BATCH_TASKS = 2_000
-#: Keys per release-keys message at most: a release of a million futures goes as many
-#: small messages, which the scheduler handles in turns with everyone else's.
-RELEASE_BATCH_KEYS = 10_000
 
 
 # Client statuses
@@ -231,60 +249,7 @@ def _rebuild(obj, values: dict):
     return obj
 
 
-# ---------------------------------------------------------------------------- loop thread
-
-
-class _ClientLoopThread:
-    """An asyncio event loop (tornado's IOLoop runs on it) in a daemon thread."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self._close_loop()
-
-    def _close_loop(self) -> None:
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            self.loop.run_until_complete(asyncio.wait(tasks, timeout=1))
-        self.loop.close()
-
-    def run(self, coro, timeout: float | None = None):
-        """Run ``coro`` on the loop and wait for its result (an interrupt cancels it)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except asyncio.CancelledError as e:
-            # our CancelledError (concurrent.futures') that asyncio turned into its own
-            # on the way out of run_coroutine_threadsafe: a cancelled key, not a cancelled call
-            raise CancelledError(*e.args) from None
-        except BaseException:
-            future.cancel()
-            raise
-
-    def stop(self, timeout: float) -> None:
-        """Stop the loop and wait up to ``timeout`` seconds for the thread to end."""
-        try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # already closed
-            return
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
-
-
-def _ignore(msg: dict) -> None:
-    """A message that only proves the scheduler is alive."""
-
-
-def _shutdown(runner: _ClientLoopThread | None, cluster) -> None:
+def _shutdown(runner: ClientLoopThread | None, cluster) -> None:
     """At interpreter exit (or collection) of an unclosed client: stop, never hang."""
     if runner is not None:
         runner.stop(CLOSE_TIMEOUT)
@@ -327,7 +292,6 @@ class Client:
         self.asynchronous = asynchronous
         self.timeout = timeout
         self.scheduler_timeout = scheduler_timeout
-        self._last_heard = 0.0  # loop time of the last frame from the scheduler
         if security is None and address is not None:
             security = getattr(address, "security", None) or Security.from_environment()
         self.security = security
@@ -349,33 +313,24 @@ class Client:
         self._set_as_default = set_as_default
         self._lock = threading.Lock()
         self._states: dict = {}
-        self._outbox: collections.deque = collections.deque()
-        self._drain_scheduled = False
-        self._replies: dict[int, asyncio.Future] = {}
-        self._reqids = itertools.count(1)
         self._own_cancels: set = set()  # reqids of our cancels: their echoes are no news
-        self._peers: dict[str, list[Comm]] = {}
-        self._comm: Comm | None = None
-        self._reader: asyncio.Task | None = None
-        self._runner: _ClientLoopThread | None = None
+        self._transfers: WorkerTransfers | None = None  # with workers (made at connect)
+        self._runner: ClientLoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
         self._finalizer: weakref.finalize | None = None
-        # dask graphs: each takes its place in the outbox as a _GraphTurn when it is
-        # submitted; the outbox stops at it until the graph's slices are all sent, so
-        # nothing queued after it overtakes them; _refusals counts graph-refused messages
+        # _refusals counts graph-refused messages (a graph's slices stop at one)
         self._refusals = 0
-        self._background_sends: set = set()
+        #: Sends this client's dask graphs (compute, persist, get).
+        self._graphs = GraphSender(self)
         self._dask_default = None  # a dask_support.DefaultScheduler while we are dask's
-        self._handlers = {
+        #: The scheduler connection and the ordered outbox every message goes through.
+        self._conn = SchedulerComm(self.id, {
             "key-in-memory": self._handle_key_in_memory,
             "task-erred": self._handle_task_erred,
             "cancelled-keys": self._handle_cancelled_keys,
             "graph-refused": self._handle_graph_refused,
-            "reply": self._handle_reply,
-            "error": self._handle_error,
-            "heartbeat": _ignore,
-        }
+        }, release=self._drop_reference, on_lost=self._connection_lost)
         if not asynchronous:
             self._start_sync()
 
@@ -388,7 +343,7 @@ class Client:
         if self.scheduler_address is None:
             self._cluster = self.cluster = self._make_cluster()
             self.scheduler_address = self._cluster.scheduler_address
-        self._runner = _ClientLoopThread(name=f"{self.id}-loop")
+        self._runner = ClientLoopThread(name=f"{self.id}-loop")
         try:
             self._runner.run(self._connect())
         except BaseException:
@@ -426,33 +381,11 @@ class Client:
     async def _connect(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
-        comm = await connect(self.scheduler_address, {"role": "client", "client_id": self.id},
-                             timeout=self.timeout, security=self.security)
-        if comm.extra.get("role") != "scheduler":
-            comm.abort()
-            raise ConnectionError(f"{self.scheduler_address} is not a scheduler "
-                                  f"(it says role={comm.extra.get('role')!r})")
-        self._comm = comm
-        self._last_heard = self._loop.time()
-        self._reader = self._loop.create_task(self._read_loop(comm))
+        self._transfers = WorkerTransfers(self.id, self.security, self.timeout,
+                                          keep_connections=self._is_running)
+        await self._conn.connect(self.scheduler_address, self.timeout, self.security,
+                                 self.scheduler_timeout)
         self.status = _RUNNING
-        self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
-
-    def _heartbeat(self) -> None:
-        """Tell the scheduler we are alive (it drops clients silent for too long), and
-        give up on a scheduler that has not answered for ``scheduler_timeout``."""
-        comm = self._comm
-        if self.status != _RUNNING or comm is None or comm.closed:
-            return
-        silent = self._loop.time() - self._last_heard
-        if silent > self.scheduler_timeout:
-            logger.warning("the scheduler at %s has not answered for %.1f s",
-                           self.scheduler_address, silent)
-            comm.abort()  # the read loop fails what is pending
-            return
-        with contextlib.suppress(CommClosedError):
-            comm.send({"op": "heartbeat"})
-        self._loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
 
     def _started(self) -> None:
         self._call_soon(self._check_versions_soon)
@@ -524,17 +457,9 @@ class Client:
             if self.status not in (_RUNNING, _LOST):
                 return
             self.status = _CLOSING
-        comm = self._comm
-        if comm is not None and not comm.closed:
-            self._drain_outbox()
-            comm.send({"op": "close-client"})
-            await comm.close()
-        if self._reader is not None:
-            await self._reader
-        for pool in self._peers.values():
-            for peer in pool:
-                peer.abort()
-        self._peers.clear()
+        await self._conn.close()
+        if self._transfers is not None:
+            self._transfers.close()
 
     # ------------------------------------------------------------ threads and the outbox
 
@@ -560,54 +485,20 @@ class Client:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _post(self, item) -> None:
-        """Queue a message (dict) or a reference to drop (`_KeyState`), from any thread.
-
-        The loop drains the outbox in order; it is woken once per drain, not per item.
-        """
-        self._outbox.append(item)
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._call_soon(self._drain_outbox)
+        """Queue a message (dict) or a reference to drop (`_KeyState`), from any thread,
+        in the scheduler connection's ordered outbox (`SchedulerComm.post`)."""
+        self._conn.post(item)
 
     def _release_later(self, state: _KeyState) -> None:
         """Drop one reference to ``state`` soon; safe in ``__del__`` (never blocks)."""
         if self.status != _RUNNING:
             return
         with contextlib.suppress(Exception):  # the loop is gone (e.g. at interpreter exit)
-            self._post(state)
-
-    def _drain_outbox(self) -> None:
-        """Send what the outbox holds, in order; consecutive releases share a message.
-
-        A dask graph's turn (`_GraphTurn`) stops the draining: its slices go out next,
-        and the rest of the outbox after them (`_send_plan`).
-        """
-        self._drain_scheduled = False
-        outbox = self._outbox
-        released: list = []
-        while outbox:
-            if type(outbox[0]) is _GraphTurn:
-                if released:
-                    self._send_now({"op": "release-keys", "keys": released})
-                outbox[0].reached()
-                return
-            item = outbox.popleft()
-            if type(item) is _KeyState:
-                if self._drop_reference(item):
-                    released.append(item.key)
-                    if len(released) >= RELEASE_BATCH_KEYS:
-                        self._send_now({"op": "release-keys", "keys": released})
-                        released = []
-                continue
-            if released:
-                self._send_now({"op": "release-keys", "keys": released})
-                released = []
-            self._send_now(item)
-        if released:
-            self._send_now({"op": "release-keys", "keys": released})
+            self._conn.post(state)
 
     def _drop_reference(self, state: _KeyState) -> bool:
-        """One Future of ``state`` is gone; True if it was the last and the key is released."""
+        """One Future of ``state`` is gone; True if it was the last and the key is released
+        (the outbox calls this on the loop as it drains)."""
         with self._lock:
             state.refs -= 1
             if state.refs > 0 or self._states.get(state.key) is not state:
@@ -615,16 +506,18 @@ class Client:
             del self._states[state.key]
         return True
 
-    def _send_now(self, msg: dict) -> None:
-        comm = self._comm
-        if comm is not None and not comm.closed:
-            comm.send(msg)
-
     def _send_on_loop(self, msg: dict) -> None:
-        """Send from the loop thread, after everything queued before it: through the
-        outbox, so that nothing overtakes a dask graph still going out in slices."""
-        self._outbox.append(msg)
-        self._drain_outbox()
+        """Send from the loop thread, after everything queued before it (through the
+        outbox: `SchedulerComm.send_in_order`)."""
+        self._conn.send_in_order(msg)
+
+    async def _peer_request(self, address: str, msg: dict) -> dict:
+        """One request/response with a worker on a pooled connection
+        (`WorkerTransfers.request`)."""
+        return await self._transfers.request(address, msg)
+
+    def _is_running(self) -> bool:
+        return self.status == _RUNNING
 
     def _check_running(self) -> None:
         if self.status != _RUNNING:
@@ -632,32 +525,11 @@ class Client:
                                            f"scheduler at {self.scheduler_address}")
 
     async def _request(self, op: str, on_abandon: Callable | None = None, **fields):
-        """Send a request on the scheduler stream and wait for its ``reply``.
-
-        With ``on_abandon`` (requests the scheduler may park: coordination primitives), a
-        caller that stops waiting (cancelled, interrupted) makes the client send
-        ``abandon-request`` and, once the reply comes anyway, call
-        ``on_abandon(result)`` to undo what it granted (a lock acquired meanwhile)."""
+        """Send a request on the scheduler stream, in order, and wait for its ``reply``
+        (`SchedulerComm.request`; ``on_abandon`` undoes what a request its caller gave
+        up on granted)."""
         self._check_running()
-        reqid = next(self._reqids)
-        reply = self._loop.create_future()
-        self._replies[reqid] = reply
-        abandoned = False
-        try:
-            self._send_on_loop({"op": op, "reqid": reqid, **fields})
-            if on_abandon is None:
-                return await reply
-            return await asyncio.shield(reply)
-        except asyncio.CancelledError:
-            if on_abandon is not None:
-                abandoned = True
-                if not reply.done():
-                    self._send_on_loop({"op": "abandon-request", "reqid": reqid})
-                reply.add_done_callback(functools.partial(_undo_abandoned, on_abandon))
-            raise
-        finally:
-            if not abandoned:
-                self._replies.pop(reqid, None)
+        return await self._conn.request(op, on_abandon, fields)
 
     # ------------------------------------------------------------ registering keys
 
@@ -718,26 +590,57 @@ class Client:
             del self._states[state.key]
         return True
 
-    # ------------------------------------------------------------ messages from the scheduler
+    def _hold_graph(self, nodes, wanted: list) -> tuple:
+        """For a dask graph (`client_dask`): Futures of its ``wanted`` keys.
 
-    async def _read_loop(self, comm: Comm) -> None:
-        handlers = self._handlers
-        try:
-            while True:
-                msgs = await comm.read()
-                self._last_heard = self._loop.time()
-                for msg in msgs:
-                    handler = handlers.get(msg["op"])
-                    if handler is None:
-                        logger.warning("unknown message from the scheduler: %.200r", msg)
-                        continue
-                    try:
-                        handler(msg)
-                    except Exception:
-                        logger.exception("cannot handle %.200r", msg)
-                del msgs  # not kept alive while waiting for the next frame
-        except CommClosedError as e:
-            self._connection_lost(e)
+        Returns ``({key: Future}, new keys, keys of the graph held already, states
+        created, references taken on those held keys)``; the caller drops the last ones
+        (`_release_later`) once its plan holds what it needs. KeyError for a new wanted
+        key that is not in the graph.
+        """
+        with self._lock:
+            self._check_running()
+            held = self._states
+            new = [k for k in wanted if k not in held]
+            missing = [k for k in new if k not in nodes]
+            if missing:
+                raise KeyError(f"keys not in the graph: {missing[:5]!r}")
+            known = held.keys() & nodes.keys()
+            first_holds = [held[k] for k in known]
+            for state in first_holds:
+                state.refs += 1
+            by_key = {}
+            created = []
+            for key in wanted:
+                state = held.get(key)
+                if state is None:
+                    state = held[key] = _KeyState(key)
+                    created.append(state)
+                state.refs += 1
+                by_key[key] = Future._attach(state, self)
+        return by_key, new, known, created, first_holds
+
+    def _hold_present(self, keys) -> list[_KeyState]:
+        """A reference to each of ``keys`` this client holds (dropped with
+        `_release_later`): a graph being sent needs them meanwhile."""
+        with self._lock:
+            held = self._states
+            holds = [held[k] for k in keys if k in held]
+            for state in holds:
+                state.refs += 1
+        return holds
+
+    def _release_temporary(self, keys) -> None:
+        """Release frontier keys the client wanted only while its graph was sent (keys it
+        holds futures of meanwhile stay wanted); nothing once the client is closing."""
+        if self.status != _RUNNING:
+            return
+        with self._lock:
+            keys = [key for key in keys if key not in self._states]
+        if keys:
+            self._conn.send_now({"op": "release-keys", "keys": keys})
+
+    # ------------------------------------------------------------ messages from the scheduler
 
     def _handle_key_in_memory(self, msg: dict) -> None:
         state = self._states.get(msg["key"])
@@ -772,20 +675,6 @@ class Client:
             if state is not None and state.status == PENDING and self._detach(state):
                 state.fail(error, None)
 
-    def _handle_reply(self, msg: dict) -> None:
-        reply = self._replies.pop(msg["reqid"], None)
-        if reply is None or reply.done():
-            return
-        if "error" in msg:
-            reply.set_exception(SchedulerError(msg["error"]))
-        else:
-            reply.set_result(msg.get("result"))
-
-    def _handle_error(self, msg: dict) -> None:
-        """The scheduler refused one of our messages; it changed nothing."""
-        logger.warning("the scheduler refused a %r message: %s", msg.get("request"),
-                       msg.get("error"))
-
     def _connection_lost(self, reason: Exception) -> None:
         """Fail what is pending: nothing more will come from the scheduler."""
         with self._lock:
@@ -800,10 +689,7 @@ class Client:
         error = functools.partial(SchedulerConnectionError, text)
         for state in pending:
             state.fail(error, None)
-        for reply in self._replies.values():
-            if not reply.done():
-                reply.set_exception(error())
-        self._replies.clear()
+        self._conn.fail_requests(error)
 
     # ------------------------------------------------------------ submitting work
 
@@ -866,22 +752,7 @@ class Client:
         if kwargs:
             raise TypeError(f"get() got unexpected keyword arguments {sorted(kwargs)}")
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
-        if not dask_support.dask_available():
-            if not isinstance(dsk, dict):
-                raise ImportError(dask_support.DASK_REQUIRED)
-            return self._get_legacy(dsk, keys, options)
-        futures, submission = self._dask_graph_futures(dsk, keys, options)
-        return self._sync(self._send_then_gather, submission, futures)
-
-    def _get_legacy(self, graph: dict, keys, options: dict):
-        """`get` without dask: a dict graph of legacy tuples converted by _LegacyGraph."""
-        wanted = _flatten_keys(keys)
-        unknown = [k for k in wanted if k not in graph]
-        if unknown:
-            raise KeyError(f"keys not in the graph: {unknown[:5]!r}")
-        futures = self._register(_LegacyGraph(graph).tasks(options), wanted)
-        by_key = dict(zip(wanted, futures))
-        return self._sync(self._gather, _keys_to_futures(keys, by_key), "raise")
+        return self._graphs.get(dsk, keys, options)
 
     # ------------------------------------------------------------ dask collections
 
@@ -896,14 +767,8 @@ class Client:
         (an asynchronous client sends it in the background). Options as in `submit`;
         dask annotations override them per task. Needs dask.
         """
-        dask = dask_support.require_dask()
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
-        singleton = not isinstance(collections, (list, tuple, set, frozenset))
-        items = [collections] if singleton else list(collections)
-        scheduler = functools.partial(_futures_scheduler, self, options)
-        futures = list(dask.compute(*items, scheduler=scheduler, optimize_graph=optimize_graph))
-        result = futures[0] if singleton else futures
-        return self.gather(result) if sync else result
+        return self._graphs.compute(collections, sync, optimize_graph, options)
 
     def persist(self, collections, optimize_graph: bool = True, *, retries: int = 0,
                 priority: int = 0, workers=None, resources: dict | None = None,
@@ -915,178 +780,8 @@ class Client:
         recomputing them, and the results are released when the collection is garbage
         collected. Returns once the graph is sent. Needs dask.
         """
-        dask = dask_support.require_dask()
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
-        singleton = not isinstance(collections, (list, tuple, set, frozenset))
-        items = [collections] if singleton else list(collections)
-        scheduler = functools.partial(_futures_scheduler, self, options)
-        persisted = list(dask.persist(*items, scheduler=scheduler,
-                                      optimize_graph=optimize_graph))
-        return persisted[0] if singleton else persisted
-
-    def _dask_submit(self, dsk, keys, options: dict) -> list:
-        """Futures for ``keys`` (a flat list) of a dask graph; sends the graph (in the
-        background for an asynchronous client)."""
-        futures, submission = self._dask_graph_futures(dsk, keys, options)
-        if submission is not None:
-            if self.asynchronous:
-                self._send_in_background(submission)
-            else:
-                turn = _GraphTurn()
-                self._post(turn)
-                self._sync(self._send_plan, *submission, turn)
-        return futures
-
-    def _dask_graph_futures(self, dsk, keys, options: dict) -> tuple:
-        """Materialize, order and plan a dask graph for ``keys``.
-
-        Returns ``(futures shaped like keys, submission or None)``; the submission,
-        ``(plan, holds, new states)``, is for `_send_plan`. Keys this client holds already
-        are not sent again and the graph is cut there. Held keys the graph depends on
-        are held (``holds``) until it is sent, so nothing releases them meanwhile.
-        """
-        with dask_support.gc_paused():
-            graph = dask_support.materialize(dsk)
-        nodes = graph.nodes
-        flat = _flatten_keys(keys)
-        wanted = list(dict.fromkeys(flat))
-        with self._lock:
-            self._check_running()
-            held = self._states
-            new = [k for k in wanted if k not in held]
-            missing = [k for k in new if k not in nodes]
-            if missing:
-                raise KeyError(f"keys not in the graph: {missing[:5]!r}")
-            known = held.keys() & nodes.keys()
-            first_holds = [held[k] for k in known]
-            for state in first_holds:
-                state.refs += 1
-            by_key = {}
-            created = []
-            for key in wanted:
-                state = held.get(key)
-                if state is None:
-                    state = held[key] = _KeyState(key)
-                    created.append(state)
-                state.refs += 1
-                by_key[key] = Future._attach(state, self)
-        futures = _keys_to_futures(keys, by_key)
-        try:
-            if not new:
-                return futures, None
-            with dask_support.gc_paused():
-                plan = dask_support.GraphPlan(graph, new, known, options, wire=_wire_spec)
-            with self._lock:
-                holds = [held[k] for k in plan.external if k in held]
-                for state in holds:
-                    state.refs += 1
-        finally:
-            for state in first_holds:
-                self._release_later(state)
-        return futures, (plan, holds, created)
-
-    async def _send_then_gather(self, submission, futures):
-        if submission is not None:
-            turn = _GraphTurn()
-            self._post(turn)
-            await self._send_plan(*submission, turn)
-        return await self._gather(futures, "raise")
-
-    def _send_in_background(self, submission) -> None:
-        turn = _GraphTurn()
-        self._post(turn)  # its place in the order: before anything sent after compute()
-        coro = self._send_plan(*submission, turn)
-        if self._on_loop():
-            task = self._loop.create_task(coro)
-        else:
-            task = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        self._background_sends.add(task)  # the loop keeps only a weak reference
-        task.add_done_callback(self._background_sends.discard)
-        task.add_done_callback(_log_background_failure)
-
-    async def _send_plan(self, plan, holds: list, created: list, turn: _GraphTurn) -> None:
-        """Send a planned dask graph: slice by slice, one update-graph at a time.
-
-        The next slice is pickled while the scheduler takes in the previous one; a
-        ``who-has`` request after each slice paces the sending, so the scheduler handles
-        one slice per turn of its event loop and serves heartbeats and other clients in
-        between. Slice sizes follow the time from sending a slice to that answer (which
-        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier
-        keys are wanted only until their last dependent is sent
-        (`dask_support.SlicePart`). Failures fail the new keys.
-        """
-        temporary: set = set()
-        try:
-            await turn.wait(self._loop)  # what was queued before this graph goes first
-            refusals = self._refusals
-            ack = None
-            sent_at, n_sent = 0.0, 0
-            part = await self._encode(plan)
-            while True:
-                if ack is not None:
-                    await ack
-                    taken = time.monotonic() - sent_at
-                    logger.debug("graph slice of %d tasks taken in by the scheduler "
-                                 "in %.1f ms", n_sent, 1e3 * taken)
-                    plan.adapt(n_sent, taken)
-                    if self._refusals != refusals:
-                        raise GraphRefusedError("the scheduler refused part of the "
-                                                "graph; the rest was not sent")
-                self._check_running()
-                self._send_now({"op": "update-graph", "tasks": part.tasks,
-                                "keys": part.keys})
-                sent_at, n_sent = time.monotonic(), len(part.tasks)
-                temporary.update(part.temporary)
-                if part.release:
-                    temporary.difference_update(part.release)
-                    self._release_temporary(part.release)
-                if plan.done:
-                    break
-                ack = self._ping()
-                part = await self._encode(plan)  # while the scheduler takes it in
-        except BaseException as exc:
-            error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
-                f"sending the graph was interrupted: {exc!r}")
-            for state in created:
-                if state.status == PENDING:
-                    state.fail(functools.partial(_same_error, error), None)
-            raise
-        finally:
-            if temporary and self.status == _RUNNING:
-                self._release_temporary(temporary)
-            with contextlib.suppress(ValueError):  # (gone if the client was closed)
-                self._outbox.remove(turn)  # at the head: the rest may go now
-            self._drain_outbox()
-            for state in holds:
-                self._release_later(state)
-
-    async def _encode(self, plan):
-        """The next slice of ``plan``, pickled right here on the loop while the scheduler
-        takes in the previous one (in its own process).
-
-        Not in a thread: it was no faster (on a small machine the workers, already
-        running the first slices, compete for the same cores) and two busy threads
-        share the GIL badly. The loop is busy for at most about one slice's time.
-        """
-        with dask_support.gc_paused():
-            return plan.encode_next()
-
-    def _ping(self) -> asyncio.Future:
-        """An empty who-has request, sent now; its reply says the scheduler has handled
-        everything sent before it."""
-        reqid = next(self._reqids)
-        reply = self._loop.create_future()
-        self._replies[reqid] = reply
-        self._send_now({"op": "who-has", "reqid": reqid, "keys": []})
-        return reply
-
-    def _release_temporary(self, keys) -> None:
-        """Release frontier keys the client wanted only while its graph was sent (keys it
-        holds futures of meanwhile stay wanted)."""
-        with self._lock:
-            keys = [key for key in keys if key not in self._states]
-        if keys:
-            self._send_now({"op": "release-keys", "keys": keys})
+        return self._graphs.persist(collections, optimize_graph, options)
 
     # ------------------------------------------------------------ results
 
@@ -1170,77 +865,8 @@ class Client:
                         remote.append(state)
                     else:
                         values[state] = pickle.loads(state.data)
-            todo = await self._fetch(remote, values) if remote else []
+            todo = await self._transfers.fetch(remote, values, self._who_has) if remote else []
         return values
-
-    async def _fetch(self, states: list[_KeyState], values: dict) -> list[_KeyState]:
-        """Fetch finished results from the workers into ``values``.
-
-        One who-has for all keys, then one get-data per worker. Keys a holder could not
-        give are asked again (another holder, a fresh who-has). Returns the states whose
-        data no worker has: pending again (being recomputed) unless news came meanwhile.
-        """
-        by_key = {s.key: s for s in states}
-        tried: dict = collections.defaultdict(set)
-        delay = 0.01
-        for _ in range(FETCH_ROUNDS):
-            epochs = {key: by_key[key].epoch for key in by_key}
-            who_has = await self._request("who-has", keys=list(by_key))
-            lost = [by_key.pop(k) for k in list(by_key) if not who_has.get(k)]
-            for state in lost:
-                if state.epoch == epochs[state.key]:  # not recomputed since we asked
-                    state.reset()
-            plan = _plan_fetch(who_has, by_key, tried)
-            replies = await asyncio.gather(*[self._get_data(address, keys)
-                                             for address, keys in plan.items()])
-            for address, (data, missing) in zip(plan, replies):
-                for key, value in data.items():
-                    values[by_key.pop(key)] = value
-                for key in missing:
-                    tried[key].add(address)
-            if not by_key:
-                return lost
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        raise SchedulerError(f"could not fetch {list(by_key)[:5]!r} from the workers "
-                             f"that hold them")
-
-    async def _get_data(self, address: str, keys: list) -> tuple[dict, list]:
-        """``({key: value}, missing keys)`` from one worker; all missing if it fails."""
-        try:
-            reply = await self._peer_request(address, {"op": "get-data", "keys": keys})
-        except OSError as e:
-            logger.info("cannot get data from %s: %s", address, e)
-            return {}, keys
-        if reply.get("op") != "data":
-            logger.warning("worker %s answered get-data with %.200r", address, reply)
-            return {}, keys
-        data = {key: loads_data(frames) for key, frames in reply["data"].items()}
-        missing = [key for key in keys if key not in data]
-        return data, missing
-
-    async def _peer_request(self, address: str, msg: dict) -> dict:
-        """One request/response with a worker, on a pooled connection."""
-        pool = self._peers.setdefault(address, [])
-        comm = None
-        while pool and comm is None:
-            candidate = pool.pop()
-            comm = None if candidate.closed else candidate
-        if comm is None:
-            comm = await connect(address, {"role": "client", "client_id": self.id},
-                                 timeout=self.timeout,
-                                 security=self.security)
-        try:
-            await comm.write([msg])
-            reply = (await comm.read())[0]
-        except BaseException:
-            comm.abort()
-            raise
-        if len(pool) < PEER_POOL_SIZE and self.status == _RUNNING:
-            pool.append(comm)
-        else:
-            comm.abort()
-        return reply
 
     # ------------------------------------------------------------ scatter
 
@@ -1264,8 +890,9 @@ class Client:
             keys = [f"{type(v).__name__}-{_digest(*f) if hash else uuid.uuid4().hex}"
                     for v, f in zip(values, frames)]
         targets = await self._scatter_targets(workers)
-        placement = _place(keys, targets, broadcast)
-        await asyncio.gather(*[self._put_data(address, {k: frames[i] for i, k in items})
+        placement = place(keys, targets, broadcast)
+        transfers = self._transfers
+        await asyncio.gather(*[transfers.put_data(address, {k: frames[i] for i, k in items})
                                for address, items in placement.items()])
         futures = self._register_scattered(keys, values, placement)
         if isinstance(data, dict):
@@ -1289,13 +916,6 @@ class Client:
                 raise ValueError(f"unknown worker {worker!r}")
             chosen.append(address)
         return chosen
-
-    async def _put_data(self, address: str, frames_by_key: dict) -> None:
-        msg = {"op": "put-data",
-               "data": {k: [Blob(f) for f in frames] for k, frames in frames_by_key.items()}}
-        reply = await self._peer_request(address, msg)
-        if reply.get("op") != "ok":
-            raise SchedulerError(f"worker {address} refused put-data: {reply!r:.200}")
 
     def _register_scattered(self, keys: list, values: list, placement: dict) -> list[Future]:
         """Futures for scattered keys; the scheduler learns where they are (loop thread)."""
@@ -1332,7 +952,7 @@ class Client:
             return
         keys = [s.key for s in states]
         self._check_running()
-        reqid = next(self._reqids)
+        reqid = self._conn.next_reqid()
         self._own_cancels.add(reqid)
         self._send_on_loop({"op": "cancel", "keys": keys, "force": force, "reqid": reqid})
         for state in states:
@@ -1391,7 +1011,7 @@ class Client:
 
     async def _spawn_run(self, payload: bytes, workers) -> None:
         task = asyncio.ensure_future(self._run_everywhere(payload, workers, "return"))
-        task.add_done_callback(_log_background_failure)
+        task.add_done_callback(log_background_failure)
 
     async def _run_everywhere(self, payload: bytes, workers, on_error: str) -> dict:
         addresses = await self._worker_addresses(workers)
@@ -1449,7 +1069,7 @@ class Client:
 
     def _check_versions_soon(self) -> None:
         task = self._loop.create_task(self._warn_on_other_versions())
-        task.add_done_callback(_log_background_failure)
+        task.add_done_callback(log_background_failure)
 
     async def _warn_on_other_versions(self) -> None:
         """At connect: warn if the scheduler runs other versions of what must match."""
@@ -1664,88 +1284,7 @@ def fire_and_forget(obj) -> None:
         client._post({"op": "fire-and-forget", "keys": keys})
 
 
-class _GraphTurn:
-    """A dask graph's place in the client's outbox: draining stops there until the
-    graph's slices are sent (`Client._send_plan`)."""
-
-    __slots__ = ("_at_head", "_waiter")
-
-    def __init__(self) -> None:
-        self._at_head = False
-        self._waiter: asyncio.Future | None = None
-
-    def reached(self) -> None:
-        """On the loop: everything before it is sent."""
-        self._at_head = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def wait(self, loop) -> None:
-        """Until everything queued before it is sent."""
-        if not self._at_head:
-            self._waiter = loop.create_future()
-            await self._waiter
-
-
 def _refuse_actors(method: str, wanted: bool) -> None:
     if wanted:
         raise NotImplementedError(f"Client.{method}(actor=True): actors are not supported "
                                   f"by distributed-core; submit plain tasks")
-
-
-def _keys_to_futures(keys, by_key: dict):
-    if type(keys) is list:
-        return [_keys_to_futures(k, by_key) for k in keys]
-    return by_key[keys]
-
-
-def _futures_scheduler(client: Client, options: dict, dsk, keys, **kwargs) -> list:
-    """A dask scheduler function that returns the keys' futures instead of their values
-    (what `Client.compute` and `Client.persist` hand to ``dask.compute``/``dask.persist``;
-    a partial of it has no ``__self__``, so dask does not take it for a client)."""
-    if kwargs:
-        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
-    return client._dask_submit(dsk, keys, options)
-
-
-def _same_error(error: BaseException) -> BaseException:
-    return error
-
-
-def _undo_abandoned(on_abandon: Callable, reply: asyncio.Future) -> None:
-    """The reply of a request its caller gave up on: undo what it granted."""
-    if reply.cancelled() or reply.exception() is not None:
-        return
-    try:
-        on_abandon(reply.result())
-    except Exception:
-        logger.exception("undoing the abandoned request %r failed", on_abandon)
-
-
-def _log_background_failure(task) -> None:
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        logger.error("the client's background task %s failed: %r", task.get_name(), exc)
-
-
-def _plan_fetch(who_has: dict, keys: Iterable, tried: dict) -> dict[str, list]:
-    """``{worker: [keys]}``: one holder per key, preferring holders not tried yet."""
-    plan: dict = collections.defaultdict(list)
-    for key in keys:
-        holders = who_has[key]
-        fresh = [a for a in holders if a not in tried[key]] if tried else holders
-        plan[random.choice(fresh or holders)].append(key)
-    return plan
-
-
-def _place(keys: list, targets: list[str], broadcast: bool) -> dict[str, list]:
-    """``{worker: [(index, key)]}``: round robin, or every key everywhere."""
-    if not targets:
-        raise ValueError("no workers to scatter to")
-    placement: dict = collections.defaultdict(list)
-    for i, key in enumerate(keys):
-        for address in targets if broadcast else [targets[i % len(targets)]]:
-            placement[address].append((i, key))
-    return placement

@@ -4,9 +4,9 @@ What this module does
 ---------------------
 - `Future` names a remote result by its key. Many Future objects may share one key; they
   share one ``_KeyState``, counted by reference, and the client sends ``release-keys``
-  when the count drops to zero. A Future reaches its client only through the client's
-  methods (``_hold_key``, ``_sync``, ``_result``, ``_release_later``, ...), so this module
-  never imports `distributed_server.client`.
+  when the count drops to zero. A Future reaches its client only through `FutureClient`,
+  the protocol below (hold and release a key, run a coroutine of the client's, wait,
+  callbacks), so this module never imports `distributed_server.client`.
 - `wait` and `as_completed` work on futures of one client, sync or async.
 - A Future pickles only inside a value that a coordination primitive carries
   (`distributed_server.primitives`): there it records its key (``_pickled_keys``) and
@@ -44,12 +44,9 @@ import functools
 import pickle
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from .comm import CommClosedError
-
-if TYPE_CHECKING:  # annotations only: the client imports this module, never the reverse
-    from .client import Client
 
 __all__ = [
     "ALL_COMPLETED",
@@ -58,6 +55,7 @@ __all__ = [
     "CancelledError",
     "DoneAndNotDoneFutures",
     "Future",
+    "FutureClient",
     "GraphRefusedError",
     "SchedulerConnectionError",
     "SchedulerError",
@@ -108,7 +106,7 @@ class SchedulerError(RuntimeError):
 class _KeyState:
     """What the client knows about one key; shared by every Future of that key.
 
-    ``refs`` counts the Futures holding it (changed under ``Client._lock``); everything
+    ``refs`` counts the Futures holding it (changed under the client's lock); everything
     else changes on the client's loop thread only. ``watchers`` are callables run with
     the state when it settles; ``epoch`` counts settlings, so a fetch can tell whether a
     key it found missing has been recomputed meanwhile.
@@ -192,6 +190,64 @@ class _KeyState:
 _NOT_HERE = object()  # a result that must be waited for or fetched
 
 
+# ---------------------------------------------------------------------------- FutureClient
+
+
+@runtime_checkable
+class FutureClient(Protocol):
+    """What a `Future` needs from its client (and `wait`, `as_completed` and
+    `distributed_server.taskspec` too): `distributed_server.client.Client` implements it.
+
+    The members are underscored because users do not call them: they are the contract
+    between futures and their client, and nothing in this module reaches further into
+    the client. Any thread may call the plain methods; the coroutine functions run on the
+    client's loop, handed to `_sync`.
+    """
+
+    #: True for a client whose blocking methods return awaitables instead.
+    asynchronous: bool
+
+    def _hold_key(self, key) -> _KeyState:
+        """A new reference to ``key``'s state (the scheduler is asked about a new key)."""
+
+    def _release_later(self, state: _KeyState) -> None:
+        """Drop one reference to ``state`` soon; never blocks, never takes a lock
+        (`Future.__del__` calls it)."""
+
+    def _sync(self, method: Callable, *args):
+        """Run the coroutine function ``method(*args)`` on the client's loop: its result
+        (blocking) in a sync client, an awaitable in an async one."""
+
+    def _on_loop(self) -> bool:
+        """Whether the caller runs on the client's loop thread (where blocking is
+        refused)."""
+
+    async def _result(self, future: Future, timeout: float | None):
+        """The future's value (fetched from a worker if need be); raises its error."""
+
+    async def _result_anywhere(self, future: Future):
+        """`_result`, awaited from the client's loop or from any other asyncio loop."""
+
+    async def _exception(self, future: Future, timeout: float | None):
+        """Once settled: the future's exception, or None if it succeeded."""
+
+    async def _traceback(self, future: Future, timeout: float | None):
+        """Once settled: the remote traceback text of a failed task, else None."""
+
+    async def _wait(self, futures: list[Future], timeout: float | None,
+                    return_when: str) -> DoneAndNotDoneFutures:
+        """`wait` on the client's loop."""
+
+    def _add_done_callbacks(self, futures: list[Future], fn: Callable) -> None:
+        """Call ``fn(future)`` on the loop thread once each future is done."""
+
+    def cancel(self, futures, force: bool = False):
+        """`Future.cancel` of a list of futures."""
+
+    def retry(self, futures):
+        """`Future.retry` of a list of futures."""
+
+
 # ---------------------------------------------------------------------------- Future
 
 
@@ -212,7 +268,7 @@ class Future:
     #: collection's ``{key: future}``) a future stands for its key's value.
     __dask_future__ = True
 
-    def __init__(self, key, client: Client | None = None) -> None:
+    def __init__(self, key, client: FutureClient | None = None) -> None:
         client = client if client is not None else default_client()
         self._state = client._hold_key(key)
         self.key = key
@@ -220,7 +276,7 @@ class Future:
         self._held = True
 
     @classmethod
-    def _attach(cls, state: _KeyState, client: Client) -> Future:
+    def _attach(cls, state: _KeyState, client: FutureClient) -> Future:
         """A Future for a state whose reference the caller already counted."""
         future = object.__new__(cls)
         future._state = state
@@ -335,24 +391,24 @@ def _future_of_key(key) -> Future:
 # ---------------------------------------------------------------------------- default client
 
 
-_default_client: Client | None = None
+_default_client: FutureClient | None = None
 
 
-def default_client() -> Client:
+def default_client() -> FutureClient:
     """The most recent client made with ``set_as_default=True`` and still open."""
     if _default_client is None:
         raise ValueError("no default client: create a Client first")
     return _default_client
 
 
-def _set_default_client(client: Client) -> None:
+def _set_default_client(client: FutureClient) -> None:
     """Make ``client`` the one `default_client` returns (a Client made with
     ``set_as_default=True`` calls this once started)."""
     global _default_client
     _default_client = client
 
 
-def _forget_default_client(client: Client) -> None:
+def _forget_default_client(client: FutureClient) -> None:
     """No default client any more, if ``client`` is it (a closing Client calls this)."""
     global _default_client
     if _default_client is client:
@@ -423,7 +479,7 @@ def futures_of(obj) -> list[Future]:
     return list(found.values())
 
 
-def _client_of(futures: list[Future]) -> Client | None:
+def _client_of(futures: list[Future]) -> FutureClient | None:
     clients = {id(f.client): f.client for f in futures}
     if len(clients) > 1:
         raise ValueError("these futures belong to different clients")
@@ -447,7 +503,7 @@ class as_completed:
         self._ready: collections.deque = collections.deque()
         self._pending = 0
         self._generation = 0  # clear() starts a new one: older callbacks are ignored
-        self._client: Client | None = None
+        self._client: FutureClient | None = None
         self._wakeup: asyncio.Future | None = None
         self.update(futures)
 

@@ -88,7 +88,7 @@ async def _graphs_sent(client, keys: list) -> None:
     """Before a value naming ``keys`` goes out: wait for the dask graphs an asynchronous
     client is still sending in the background (they may define those keys, and the
     scheduler refuses a value holding Futures of keys it does not know)."""
-    sends = list(getattr(client, "_background_sends", ())) if keys else []
+    sends = list(client._graphs.sending) if keys else []
     if sends:
         await asyncio.wait([s if isinstance(s, asyncio.Future) else asyncio.wrap_future(s)
                             for s in sends])

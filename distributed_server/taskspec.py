@@ -15,7 +15,8 @@ out-of-band `Blob` (`_wire_spec`). Without dask, `Client.get` converts dict grap
 ``(func, *args)`` tuples with `_LegacyGraph`.
 
 A future in a task's arguments becomes a ``TaskRef`` to its key (a dependency); this
-module knows futures (`distributed_server.futures`) but not the client.
+module knows futures (`distributed_server.futures`) and their `FutureClient`, but not
+the client.
 """
 from __future__ import annotations
 
@@ -25,15 +26,10 @@ import pickle
 import struct
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from .comm import Blob
-from .futures import CANCELLED, CancelledError, Future
+from .futures import CANCELLED, CancelledError, Future, FutureClient
 from .serialize import Call, TaskRef, dumps_spec
-
-if TYPE_CHECKING:  # annotations only: the client imports this module, never the reverse
-    from .client import Client
-
 
 #: Task specs larger than this travel as an out-of-band Blob.
 SPEC_BLOB_BYTES = 64 * 1024
@@ -98,7 +94,7 @@ class _ArgWalker:
 
     __slots__ = ("client", "deps", "plain")
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: FutureClient) -> None:
         self.client = client
         self.deps: list = []
         self.plain = True
@@ -171,7 +167,7 @@ class _TaskEncoder:
     ``f"{prefix}-{blake2b(spec)}"``.
     """
 
-    def __init__(self, client: Client, func: Callable, pure: bool, options: dict,
+    def __init__(self, client: FutureClient, func: Callable, pure: bool, options: dict,
                  prefix: str | None = None) -> None:
         if not callable(func):
             raise TypeError(f"{func!r} is not callable")

@@ -99,6 +99,7 @@ from .memory import (
     check_fractions,
 )
 from .nanny import MEMORY_LIMIT_ENV
+from .peer_pool import PeerPool
 from .remote_run import run_packed_call
 from .security import Security, check_listen_security
 from .versions import essential
@@ -288,7 +289,7 @@ class Worker:
         self._bursts = itertools.count()
         self._sids = itertools.count()  # numbers the shell's stimulus ids
 
-        self._peer_pool: dict = {}  # peer address -> idle Comms
+        self._peer_pool = PeerPool(self.security, MAX_IDLE_PEER_COMMS)  # fetches' comms
         self._served: set = set()  # comms of peers we answer
         self._background: set = set()  # fetch tasks (one per peer per burst)
 
@@ -367,9 +368,9 @@ class Worker:
             await self.http.stop()
         if self._scheduler_comm is not None:
             await self._scheduler_comm.close(timeout=1.0)
-        for comm in [*self._served, *itertools.chain(*self._peer_pool.values())]:
+        for comm in self._served:
             comm.abort()
-        self._peer_pool.clear()
+        self._peer_pool.close()
         await self._stop_threads()
         if self._task_client is not None:
             await asyncio.to_thread(self._task_client.close)
@@ -859,7 +860,7 @@ class Worker:
                 deadline.check()  # a timeout aborted the connection: say so
                 raise
             deadline.cancel()
-            self._return_peer_comm(peer, comm)
+            self._peer_pool.give_back(peer, comm, keep=self.status == RUNNING_STATUS)
             comm = None
         except asyncio.CancelledError:
             raise
@@ -925,21 +926,10 @@ class Worker:
                 errors if type(errors) is dict else None)
 
     async def _peer_comm(self, peer: str) -> Comm:
-        idle = self._peer_pool.get(peer)
-        while idle:
-            comm = idle.pop()
-            if not comm.closed:
-                return comm
-        return await connect(peer, {"role": "worker", "address": self.address},
-                             timeout=min(self.connect_timeout, self.transfer_timeout),
-                             security=self.security, max_frame_bytes=self.peer_max_frame_bytes)
-
-    def _return_peer_comm(self, peer: str, comm: Comm) -> None:
-        idle = self._peer_pool.setdefault(peer, [])
-        if self.status != RUNNING_STATUS or len(idle) >= MAX_IDLE_PEER_COMMS:
-            comm.abort()
-        else:
-            idle.append(comm)
+        return await self._peer_pool.connection(
+            peer, {"role": "worker", "address": self.address},
+            timeout=min(self.connect_timeout, self.transfer_timeout),
+            max_frame_bytes=self.peer_max_frame_bytes)
 
     # ------------------------------------------------------------------ serving peers
 

@@ -192,10 +192,10 @@ def test_cluster_processes_die_with_a_killed_parent():
 def test_a_stopped_scheduler_is_noticed_by_the_client_within_its_timeout(monkeypatch):
     """SIGSTOP the scheduler process (a hung machine: the kernel still answers TCP
     keepalives): pending futures raise instead of waiting forever."""
-    from distributed_server import client as client_module
+    from distributed_server import client_comm
     from distributed_server.futures import SchedulerConnectionError
 
-    monkeypatch.setattr(client_module, "HEARTBEAT_INTERVAL", 0.2)
+    monkeypatch.setattr(client_comm, "HEARTBEAT_INTERVAL", 0.2)
     with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
             Client(cluster, set_as_default=False, scheduler_timeout=1.5) as client:
         assert client.submit(slow_square, 3).result(timeout=30) == 9

@@ -46,13 +46,14 @@ def test_progress_moves_as_futures_finish_without_asking_the_scheduler(client):
     futures = client.map(slow, range(10), [0.1] * 10, pure=False)
     client.scheduler_info()  # the graph has gone out
     sent = []
-    original = client._send_now
-    client._send_now = lambda msg: (sent.append(msg), original(msg))
+    conn = client._conn  # the scheduler connection: everything sent passes send_now
+    original = conn.send_now
+    conn.send_now = lambda msg: (sent.append(msg), original(msg))
     try:
         out = io.StringIO()
         progress(futures, file=out)
     finally:
-        client._send_now = original
+        conn.send_now = original
     assert [msg for msg in sent if msg["op"] != "heartbeat"] == []
     counts = {line.split("|")[2].split()[0] for line in
               out.getvalue().replace("\r", "\n").splitlines() if line.count("|") == 2}

@@ -231,10 +231,10 @@ def test_a_client_that_stops_heartbeating_is_disconnected():
 
 
 def test_a_real_client_heartbeats_and_stays_connected(monkeypatch):
-    from distributed_server import client as client_module
+    from distributed_server import client_comm
     from distributed_server.client import Client
 
-    monkeypatch.setattr(client_module, "HEARTBEAT_INTERVAL", 0.05)
+    monkeypatch.setattr(client_comm, "HEARTBEAT_INTERVAL", 0.05)
 
     async def main():
         async with Scheduler(validate=True, client_idle_timeout=0.3) as s:

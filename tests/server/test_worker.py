@@ -751,7 +751,7 @@ def test_a_fetch_on_a_pooled_connection_to_a_stopped_peer_times_out_and_is_given
                 async with await s.worker(transfer_timeout=1.0) as b:
                     s.send(b, call("z0", len, TaskRef("y"), who_has={"y": [stopped]}))
                     await s.wait_for(lambda: "z0" in s.finished_keys())
-                    assert b._peer_pool[stopped]  # the connection it will use
+                    assert b._peer_pool.idle(stopped)  # the connection it will use
                     proc.send_signal(signal.SIGSTOP)
                     started = time.monotonic()
                     s.send(b, call("z", len, TaskRef("x"), who_has={"x": [stopped]}))

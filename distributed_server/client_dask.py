@@ -1,0 +1,234 @@
+"""How a client hands dask graphs to the scheduler: `Client.compute`, `persist` and `get`.
+
+`distributed_server.dask_support` turns what dask gives a scheduler into task dicts
+(materialize, order, plan, pickle in slices); this module is the client's side of it.
+`GraphSender`, one per client:
+
+- builds the futures of a graph's wanted keys, cutting the graph at keys the client
+  holds already (`graph_futures`);
+- sends the planned graph slice by slice (`send_plan`) from its turn in the client's
+  ordered outbox (`client_comm.GraphTurn`), so nothing queued after the graph (a cancel,
+  a release) overtakes it: a sync client waits until it is sent, an asynchronous one
+  sends it in the background (`sending` holds those sends);
+- is the dask scheduler function that `compute` and `persist` hand to dask
+  (`_futures_scheduler`), and `get` with or without dask (a dict graph of legacy
+  ``(func, *args)`` tuples, `taskspec._LegacyGraph`).
+
+What it uses of its client: the key table (`Client._hold_graph`, `_hold_present`,
+`_release_later`, `_release_temporary`, `_register`), the connection
+(``client._conn``: `take_turn`, `send_now`, `ping`, `end_turn`), ``client._refusals``
+(graph-refused messages seen), `_check_running`, and the loop (`_loop`, `_on_loop`,
+`_sync`, `_gather`, `gather`).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+from . import dask_support
+from .client_comm import GraphTurn, log_background_failure
+from .futures import PENDING, GraphRefusedError, SchedulerConnectionError
+from .taskspec import _flatten_keys, _LegacyGraph, _wire_spec
+
+__all__ = ["GraphSender"]
+
+logger = logging.getLogger("distributed_server.client")
+
+
+class GraphSender:
+    """Submits one client's dask graphs (see the module's text)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        #: The background sends of an asynchronous client (the loop keeps only weak
+        #: references to tasks); primitives wait for them before a value naming keys.
+        self.sending: set = set()
+
+    # ------------------------------------------------------------ compute, persist, get
+
+    def compute(self, collections, sync: bool, optimize_graph: bool, options: dict):
+        """`Client.compute` with its task options."""
+        dask = dask_support.require_dask()
+        singleton = not isinstance(collections, (list, tuple, set, frozenset))
+        items = [collections] if singleton else list(collections)
+        scheduler = functools.partial(_futures_scheduler, self, options)
+        futures = list(dask.compute(*items, scheduler=scheduler, optimize_graph=optimize_graph))
+        result = futures[0] if singleton else futures
+        return self.client.gather(result) if sync else result
+
+    def persist(self, collections, optimize_graph: bool, options: dict):
+        """`Client.persist` with its task options."""
+        dask = dask_support.require_dask()
+        singleton = not isinstance(collections, (list, tuple, set, frozenset))
+        items = [collections] if singleton else list(collections)
+        scheduler = functools.partial(_futures_scheduler, self, options)
+        persisted = list(dask.persist(*items, scheduler=scheduler,
+                                      optimize_graph=optimize_graph))
+        return persisted[0] if singleton else persisted
+
+    def get(self, dsk, keys, options: dict):
+        """`Client.get` with its task options."""
+        client = self.client
+        if not dask_support.dask_available():
+            if not isinstance(dsk, dict):
+                raise ImportError(dask_support.DASK_REQUIRED)
+            return self._get_legacy(dsk, keys, options)
+        futures, submission = self.graph_futures(dsk, keys, options)
+        return client._sync(self._send_then_gather, submission, futures)
+
+    def _get_legacy(self, graph: dict, keys, options: dict):
+        """`get` without dask: a dict graph of legacy tuples converted by _LegacyGraph."""
+        client = self.client
+        wanted = _flatten_keys(keys)
+        unknown = [k for k in wanted if k not in graph]
+        if unknown:
+            raise KeyError(f"keys not in the graph: {unknown[:5]!r}")
+        futures = client._register(_LegacyGraph(graph).tasks(options), wanted)
+        by_key = dict(zip(wanted, futures))
+        return client._sync(client._gather, _keys_to_futures(keys, by_key), "raise")
+
+    def submit(self, dsk, keys, options: dict) -> list:
+        """Futures for ``keys`` (a flat list) of a dask graph; sends the graph (in the
+        background for an asynchronous client)."""
+        client = self.client
+        futures, submission = self.graph_futures(dsk, keys, options)
+        if submission is not None:
+            if client.asynchronous:
+                self._send_in_background(submission)
+            else:
+                turn = client._conn.take_turn()
+                client._sync(self.send_plan, *submission, turn)
+        return futures
+
+    # ------------------------------------------------------------ planning and sending
+
+    def graph_futures(self, dsk, keys, options: dict) -> tuple:
+        """Materialize, order and plan a dask graph for ``keys``.
+
+        Returns ``(futures shaped like keys, submission or None)``; the submission,
+        ``(plan, holds, new states)``, is for `send_plan`. Keys this client holds already
+        are not sent again and the graph is cut there. Held keys the graph depends on
+        are held (``holds``) until it is sent, so nothing releases them meanwhile.
+        """
+        client = self.client
+        with dask_support.gc_paused():
+            graph = dask_support.materialize(dsk)
+        wanted = list(dict.fromkeys(_flatten_keys(keys)))
+        by_key, new, known, created, first_holds = client._hold_graph(graph.nodes, wanted)
+        futures = _keys_to_futures(keys, by_key)
+        try:
+            if not new:
+                return futures, None
+            with dask_support.gc_paused():
+                plan = dask_support.GraphPlan(graph, new, known, options, wire=_wire_spec)
+            holds = client._hold_present(plan.external)
+        finally:
+            for state in first_holds:
+                client._release_later(state)
+        return futures, (plan, holds, created)
+
+    async def _send_then_gather(self, submission, futures):
+        client = self.client
+        if submission is not None:
+            await self.send_plan(*submission, client._conn.take_turn())
+        return await client._gather(futures, "raise")
+
+    def _send_in_background(self, submission) -> None:
+        client = self.client
+        turn = client._conn.take_turn()  # its place: before anything sent after compute()
+        coro = self.send_plan(*submission, turn)
+        if client._on_loop():
+            task = client._loop.create_task(coro)
+        else:
+            task = asyncio.run_coroutine_threadsafe(coro, client._loop)
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
+        task.add_done_callback(log_background_failure)
+
+    async def send_plan(self, plan, holds: list, created: list, turn: GraphTurn) -> None:
+        """Send a planned dask graph: slice by slice, one update-graph at a time.
+
+        The next slice is pickled while the scheduler takes in the previous one; a
+        ``who-has`` request after each slice paces the sending, so the scheduler handles
+        one slice per turn of its event loop and serves heartbeats and other clients in
+        between. Slice sizes follow the time from sending a slice to that answer (which
+        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier
+        keys are wanted only until their last dependent is sent
+        (`dask_support.SlicePart`). Failures fail the new keys.
+        """
+        client = self.client
+        conn = client._conn
+        temporary: set = set()
+        try:
+            await turn.wait(client._loop)  # what was queued before this graph goes first
+            refusals = client._refusals
+            ack = None
+            sent_at, n_sent = 0.0, 0
+            part = _encode(plan)
+            while True:
+                if ack is not None:
+                    await ack
+                    taken = time.monotonic() - sent_at
+                    logger.debug("graph slice of %d tasks taken in by the scheduler "
+                                 "in %.1f ms", n_sent, 1e3 * taken)
+                    plan.adapt(n_sent, taken)
+                    if client._refusals != refusals:
+                        raise GraphRefusedError("the scheduler refused part of the "
+                                                "graph; the rest was not sent")
+                client._check_running()
+                conn.send_now({"op": "update-graph", "tasks": part.tasks, "keys": part.keys})
+                sent_at, n_sent = time.monotonic(), len(part.tasks)
+                temporary.update(part.temporary)
+                if part.release:
+                    temporary.difference_update(part.release)
+                    client._release_temporary(part.release)
+                if plan.done:
+                    break
+                ack = conn.ping()
+                part = _encode(plan)  # while the scheduler takes it in
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
+                f"sending the graph was interrupted: {exc!r}")
+            for state in created:
+                if state.status == PENDING:
+                    state.fail(functools.partial(_same_error, error), None)
+            raise
+        finally:
+            if temporary:
+                client._release_temporary(temporary)
+            conn.end_turn(turn)  # at the head: the rest may go now
+            for state in holds:
+                client._release_later(state)
+
+
+def _encode(plan):
+    """The next slice of ``plan``, pickled right here on the loop while the scheduler
+    takes in the previous one (in its own process).
+
+    Not in a thread: it was no faster (on a small machine the workers, already running
+    the first slices, compete for the same cores) and two busy threads share the GIL
+    badly. The loop is busy for at most about one slice's time.
+    """
+    with dask_support.gc_paused():
+        return plan.encode_next()
+
+
+def _futures_scheduler(sender: GraphSender, options: dict, dsk, keys, **kwargs) -> list:
+    """A dask scheduler function that returns the keys' futures instead of their values
+    (what `Client.compute` and `Client.persist` hand to ``dask.compute``/``dask.persist``;
+    a partial of it has no ``__self__``, so dask does not take it for a client)."""
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    return sender.submit(dsk, keys, options)
+
+
+def _keys_to_futures(keys, by_key: dict):
+    if type(keys) is list:
+        return [_keys_to_futures(k, by_key) for k in keys]
+    return by_key[keys]
+
+
+def _same_error(error: BaseException) -> BaseException:
+    return error
