@@ -621,7 +621,7 @@ class Worker:
         tasks: list = []
         for msg in msgs:
             op = msg.get("op")
-            if op == "compute-task" or op == "free-keys":
+            if op == "compute-task" or op == "free-keys" or op == "acquire-replicas":
                 tasks.append(msg)
             elif op == "close":
                 self._close_requested = True
