@@ -115,8 +115,9 @@ def rebalance(pool: list, keys: set | None = None) -> list:
 
     Workers more than `REBALANCE_HALF_GAP` of the mean above it send, those as far below
     it receive. Repeatedly the sender farthest above the mean gives its largest result
-    that neither takes it below the mean nor its recipient above it, to the recipient
-    farthest below the mean that does not hold it already (so replication never drops).
+    that takes neither it more than that gap below the mean nor its recipient more than
+    the gap above it, to the recipient farthest below the mean that does not hold it
+    already (so replication never drops). Both stop once within the gap of the mean.
     Only ``keys``, if given. A simplification of dask's rebalance, which measures process
     memory and takes the least recently inserted result first."""
     if not pool:
@@ -139,12 +140,12 @@ def rebalance(pool: list, keys: set | None = None) -> list:
         give, address, sender, tasks = senders[0]
         moved = None
         for i, ts in enumerate(tasks):
-            if ts.nbytes + give > 0:
-                continue  # it would take the sender below the mean
+            if ts.nbytes + give > half_gap:
+                continue  # it would take the sender too far below the mean
             skipped = []
             while recipients and moved is None:
                 take, _, recipient = recipients[0]
-                if ts.nbytes + take > 0:
+                if ts.nbytes + take > half_gap:
                     break  # the neediest recipient cannot take it: none can
                 heapq.heappop(recipients)
                 if recipient in ts.who_has:
