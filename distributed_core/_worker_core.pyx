@@ -742,7 +742,7 @@ class WorkerCore:
             elif state in PENDING_STATES:
                 self._transition(ts, RELEASED)
         for ts in list(self.tasks.values()):
-            if ts.state == MEMORY or ts.state == FLIGHT:
+            if ts.state == MEMORY or ts.state == FLIGHT or ts.state == FETCH:
                 self._recs[ts] = RELEASED
         return self._end()
 
