@@ -842,7 +842,7 @@ class WorkerCore:
             ts.acquire = True
             self._merge_holders(ts, holders)
             if ts.state == RELEASED:
-                self._recs[ts] = FETCH
+                self._transition(ts, FETCH)
 
     @cython.cfunc
     def _compute_task(self, parts: tuple) -> None:
