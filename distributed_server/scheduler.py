@@ -22,6 +22,10 @@ every nanny to restart its workers, and answers once as many workers as before h
 registered again, or after the request's timeout. It is refused, with nothing changed,
 while any worker has no nanny (it could not come back).
 
+``retire-workers``, ``replicate`` and ``rebalance`` are carried out by `ReplicaMover`
+(retirement.py) through the core's replica stimuli; workers' ``add-keys`` and
+``acquire-failed`` answers become ``replicas_added`` / ``replicas_failed``.
+
 The coordination primitives' state (`distributed_server.coordination`: variables,
 queues, locks, semaphores, events, pub/sub) is held by composition too: their client
 messages go to `Coordination.handle`, a client's departure to ``client_gone``, and a
