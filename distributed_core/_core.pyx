@@ -1358,12 +1358,7 @@ class SchedulerState:
         """``worker`` is being retired: it takes no new task (tasks it runs go on, and
         its results stay until they are copied or it leaves). Refused unless it is a
         running worker."""
-        _check_str(stimulus_id, "stimulus_id")
-        _check_str(worker, "worker")
-        ws: WorkerState = self.workers.get(worker)
-        if ws is None or ws.status != WORKER_RUNNING:
-            raise InvalidStimulus(f"retire_worker: {bounded_repr(worker)} is not a running "
-                                  "worker")
+        ws: WorkerState = self._worker_in(worker, WORKER_RUNNING, stimulus_id, "retire_worker")
         self._begin(stimulus_id)
         ws.status = WORKER_RETIRING
         self.idle.pop(worker, None)
@@ -1372,12 +1367,8 @@ class SchedulerState:
     def unretire_worker(self, worker, stimulus_id) -> tuple:
         """A retirement was given up: ``worker`` takes tasks again. Refused unless it is
         retiring."""
-        _check_str(stimulus_id, "stimulus_id")
-        _check_str(worker, "worker")
-        ws: WorkerState = self.workers.get(worker)
-        if ws is None or ws.status != WORKER_RETIRING:
-            raise InvalidStimulus(f"unretire_worker: {bounded_repr(worker)} is not a "
-                                  "retiring worker")
+        ws: WorkerState = self._worker_in(worker, WORKER_RETIRING, stimulus_id,
+                                          "unretire_worker")
         self._begin(stimulus_id)
         ws.status = WORKER_RUNNING
         if not self._saturated(ws):
@@ -1386,6 +1377,16 @@ class SchedulerState:
         for ts in self.unrunnable:
             self._recs[ts] = PROCESSING
         return self._end()
+
+    @cython.cfunc
+    def _worker_in(self, worker, status: str, stimulus_id, what: str) -> WorkerState:
+        """The registered worker ``worker`` in ``status``, or InvalidStimulus."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        ws: WorkerState = self.workers.get(worker)
+        if ws is None or ws.status != status:
+            raise InvalidStimulus(f"{what}: {bounded_repr(worker)} is not a {status} worker")
+        return ws
 
     @cython.cfunc
     def _answering_worker(self, worker, keys, stimulus_id, what: str) -> object:

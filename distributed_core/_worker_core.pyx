@@ -796,10 +796,7 @@ class WorkerCore:
         self._begin(stimulus_id)
         ts: WorkerTask
         for key, value in data.items():
-            ts = self.tasks.get(key)
-            if ts is None:
-                ts = WorkerTask(key)
-                self.tasks[key] = ts
+            ts = self._task_of(key)
             ts.run_spec = None
             size = nbytes.get(key, -1) if nbytes else -1
             if ts.state == MEMORY:
@@ -831,10 +828,7 @@ class WorkerCore:
     def _acquire_copies(self, who_has: dict) -> None:
         ts: WorkerTask
         for key, holders in who_has.items():
-            ts = self.tasks.get(key)
-            if ts is None:
-                ts = WorkerTask(key)
-                self.tasks[key] = ts
+            ts = self._task_of(key)
             if ts.state == MEMORY:
                 ts.reported = True
                 self._acquired.append(key)
@@ -892,6 +886,15 @@ class WorkerCore:
             self._link_dependencies(ts, who_has)
         self._recs.pop(ts, None)
         self._transition(ts, WAITING)
+
+    @cython.cfunc
+    def _task_of(self, key) -> WorkerTask:
+        """The task of ``key``, made (released) if there is none."""
+        ts: WorkerTask = self.tasks.get(key)
+        if ts is None:
+            ts = WorkerTask(key)
+            self.tasks[key] = ts
+        return ts
 
     @cython.cfunc
     def _link_dependencies(self, ts: WorkerTask, who_has: dict) -> None:

@@ -219,12 +219,14 @@ class ReplicaMover:
                 return refused
             recipients = self._pool(None, exclude=set(leaving))
             plan, stuck = replica_plans.spread(unique, recipients, tried)
+            cause = ("no other running worker can take them" if not recipients
+                     else f"{replica_plans.MAX_RECIPIENTS_PER_KEY} workers tried and failed, "
+                          "or none is left to try")
             for ws, keys in stuck.items():
                 refused[ws.address] = (
                     f"{len(keys)} result(s) held only there could not be copied to another "
-                    f"worker ({'no other running worker can take them' if not recipients else 'every worker tried failed'}; "
-                    f"e.g. {bounded_repr(keys[:3], 150)}): it was not retired and takes "
-                    "tasks again")
+                    f"worker ({cause}; e.g. {bounded_repr(keys[:3], 150)}): it was not "
+                    "retired and takes tasks again")
             if stuck:
                 continue
             _, failed = await self.copy(plan)

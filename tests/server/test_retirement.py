@@ -12,9 +12,8 @@ import warnings
 import cloudpickle
 import pytest
 
-from distributed_server import Client
 from distributed_server.futures import SchedulerError
-from server_helpers import Processes, children, wait_for
+from server_helpers import children, nanny_client, nanny_processes, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -32,21 +31,12 @@ def expected(i):
 
 @pytest.fixture
 def cluster(tmp_path):
-    processes = Processes(tmp_path)
-    try:
-        processes.main = processes.nanny("--nworkers", "3")
-        yield processes
-    finally:
-        processes.close()
-    processes.assert_no_errors()
+    yield from nanny_processes(tmp_path, "--nworkers", "3")
 
 
 @pytest.fixture
 def client(cluster):
-    with Client(cluster.address, security=cluster.security, set_as_default=False) as c:
-        c.wait_for_workers(3, timeout=30)
-        wait_for(lambda: len(children(cluster.main)) == 3)
-        yield c
+    yield from nanny_client(cluster, 3)
 
 
 def computed_once(client, futures) -> bool:
