@@ -94,6 +94,11 @@ class ReplicaMover:
             logger.warning("refused %r from %s: %s", op, client_id, exc)
             self.scheduler._reply_failure(client_id, msg.get("reqid"), f"{op}: {exc}")
             return
+        except Exception:
+            logger.exception("BUG: %r from %s failed", op, client_id)
+            self.scheduler._reply_failure(client_id, msg.get("reqid"),
+                                          f"{op} failed in the scheduler (see its log)")
+            return
         self.scheduler._reply(client_id, msg, result)
 
     def _wanted_keys(self, client_id: str, keys, op: str) -> list:
