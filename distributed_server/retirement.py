@@ -123,10 +123,13 @@ class ReplicaMover:
         wait for every answer: ``(copied, failed)``, sets of ``(address, key)``."""
         state = self.scheduler.state
         asked = []
+        refused = set()
         for address, keys in plan.items():
             if self.scheduler._stimulus("scheduler", "acquire-replicas",
                                         state.acquire_replicas, address, keys):
                 asked.extend((address, key) for key in keys)
+            else:  # (logged) counts as failed, so that no plan asks it again forever
+                refused.update((address, key) for key in keys)
         while any(_pending(state, address, key) for address, key in asked):
             self._changed.clear()
             try:
@@ -134,7 +137,7 @@ class ReplicaMover:
             except asyncio.TimeoutError:
                 pass
         copied = {(address, key) for address, key in asked if _holds(state, address, key)}
-        return copied, set(asked) - copied
+        return copied, (set(asked) - copied) | refused
 
     def _drop(self, drops: dict) -> None:
         """``remove_replicas`` for ``{address: [key, ...]}``, of the copies that are still
