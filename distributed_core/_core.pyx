@@ -62,6 +62,7 @@ HELD_STATES = TASK_STATES[:-1]
 ACTIVE_STATES = frozenset((WAITING, QUEUED, NO_WORKER, PROCESSING))
 
 WORKER_RUNNING = "running"
+WORKER_RETIRING = "retiring"  # being retired: takes no new task, its results move away
 WORKER_CLOSED = "closed"
 
 _UNLIMITED_SLOTS = 2 ** 62
@@ -202,6 +203,8 @@ class WorkerState:
     status: str
     alone: tuple  # (self,): the who_has of every result only this worker holds
     long_running: Optional[set]  # seceded tasks: each adds a slot while it waits
+    # key -> TaskState it was asked to copy here (acquire-replicas), not answered yet
+    acquiring: Optional[dict]
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -220,6 +223,7 @@ class WorkerState:
         self.status = WORKER_RUNNING
         self.alone = (self,)
         self.long_running = None
+        self.acquiring = None
 
     def __repr__(self):
         return (f"<WorkerState {self.address!r} processing={len(self.processing)} "
@@ -391,11 +395,11 @@ def _needed_by_active(ts: TaskState) -> cython.bint:
 
 @cython.cfunc
 def _holder_addresses(ts: TaskState) -> list:
-    """The addresses of the workers holding ``ts``: the running ones, or if only
+    """The addresses of the workers holding ``ts``: those still here, or if only
     departing ones are left (their slice has not come yet), those."""
     ws: WorkerState
-    running = [ws.address for ws in ts.who_has if ws.status == WORKER_RUNNING]
-    return running if running else [ws.address for ws in ts.who_has]
+    alive = [ws.address for ws in ts.who_has if ws.status != WORKER_CLOSED]
+    return alive if alive else [ws.address for ws in ts.who_has]
 
 
 @cython.cfunc
@@ -1209,21 +1213,24 @@ class SchedulerState:
         """``worker`` could not fetch ``key`` from ``errant_worker``: that worker no
         longer counts as a holder and is told to free the key.
 
-        Only a worker that runs a task needing ``key`` (it was told to fetch it) may
-        say so: anything else raises Unauthorized and changes nothing."""
+        Only a worker that runs a task needing ``key`` (it was told to fetch it), or that
+        was asked to copy it (``acquire_replicas``), may say so: anything else raises
+        Unauthorized and changes nothing."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(worker, "worker")
         _check_str(errant_worker, "errant_worker")
         _check_key(key, "missing_data")
         ts: TaskState = self.tasks.get(key)
-        if not self._fetches(self.workers.get(worker), ts):
+        if not self._fetches(self.workers.get(worker), ts) \
+                and not self._asked_to_acquire(self.workers.get(worker), key):
             raise Unauthorized(f"worker {bounded_repr(worker)} reported {bounded_repr(key)} "
-                               "missing but runs no task that needs it")
+                               "missing but runs no task that needs it and was not asked "
+                               "to copy it")
         self._begin(stimulus_id)
         ws: WorkerState = self.workers.get(errant_worker)
         if ws is None:
             ws = self.departing.get(errant_worker)
-        if ts.state == MEMORY and ws is not None \
+        if ts is not None and ts.state == MEMORY and ws is not None \
                 and ts.who_has is not None and ws in ts.who_has:
             self._remove_holder(ts, ws)
             # No longer counted as a holder, it would keep its copy (if it has one)
@@ -1309,6 +1316,170 @@ class SchedulerState:
                                    f"{next(iter(self.tasks.values()), None)}")
         return self._end()
 
+    # ------------------------------------------------------------------ replicas, retirement
+    #
+    # The server moves results between workers (Client.retire_workers, replicate,
+    # rebalance) with these: it asks a worker to copy keys (acquire_replicas), the worker
+    # answers once per key (replicas_added: it holds the copy; replicas_failed: it could
+    # not get one), and copies that are no longer wanted go (remove_replicas). A retiring
+    # worker takes no new task (retire_worker, unretire_worker); it leaves through
+    # remove_worker.
+
+    def acquire_replicas(self, worker, keys, stimulus_id) -> tuple:
+        """Ask ``worker`` to fetch a copy of each of ``keys`` from their holders.
+
+        It is sent ``{"op": "acquire-replicas", "who_has": {key: [address, ...]},
+        "stimulus_id"}`` and counts as a holder of a key only once it confirms
+        (``replicas_added``). Refused (InvalidStimulus, nothing changed) unless
+        ``worker`` is registered and running, and every key is in memory, not held by
+        ``worker`` and not already asked of it."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        _check_keys(keys, "acquire_replicas")
+        ws: WorkerState = self.workers.get(worker)
+        ts: TaskState
+        if ws is None or ws.status != WORKER_RUNNING:
+            raise InvalidStimulus(f"acquire_replicas: {bounded_repr(worker)} is not a "
+                                  "running worker")
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != MEMORY:
+                raise InvalidStimulus(f"acquire_replicas: {bounded_repr(key)} is not in memory")
+            if ws in ts.who_has:
+                raise InvalidStimulus(f"acquire_replicas: {worker} already holds "
+                                      f"{bounded_repr(key)}")
+            if ws.acquiring is not None and key in ws.acquiring:
+                raise InvalidStimulus(f"acquire_replicas: {worker} was already asked for "
+                                      f"{bounded_repr(key)}")
+        self._begin(stimulus_id)
+        who_has = {}
+        for key in keys:
+            ts = self.tasks[key]
+            if ws.acquiring is None:
+                ws.acquiring = {}
+            ws.acquiring[key] = ts
+            who_has[key] = [holder.address for holder in ts.who_has]
+        if who_has:
+            self._send_worker(ws, {"op": "acquire-replicas", "who_has": who_has,
+                                   "stimulus_id": stimulus_id})
+        return self._end()
+
+    def replicas_added(self, worker, keys, stimulus_id) -> tuple:
+        """``worker`` holds the copies it was asked for (its ``add-keys``): it counts as
+        a holder of each key still in memory; a key that left memory meanwhile is freed
+        there. Only keys it was asked to copy (Unauthorized otherwise, nothing changed);
+        a worker no longer registered is ignored."""
+        ws: WorkerState = self._answering_worker(worker, keys, stimulus_id, "replicas_added")
+        self._begin(stimulus_id)
+        ts: TaskState
+        asked: TaskState
+        if ws is not None:
+            for key in keys:
+                asked = ws.acquiring.pop(key, None)
+                if asked is None:
+                    continue  # named twice
+                ts = self.tasks.get(key)
+                if ts is asked and ts.state == MEMORY:
+                    self._add_holder(ts, ws, ts.nbytes)
+                elif ts is None or (ts.processing_on is not ws
+                                    and (ts.who_has is None or ws not in ts.who_has)):
+                    self._free_key(ws, key)  # a copy nobody counts on: dropped
+            if not ws.acquiring:
+                ws.acquiring = None
+        return self._end()
+
+    def replicas_failed(self, worker, keys, stimulus_id) -> tuple:
+        """``worker`` could not get copies of these keys (its ``acquire-failed``): the
+        requests end, nothing else changes. Only keys it was asked to copy
+        (Unauthorized otherwise); a worker no longer registered is ignored."""
+        ws: WorkerState = self._answering_worker(worker, keys, stimulus_id, "replicas_failed")
+        self._begin(stimulus_id)
+        if ws is not None:
+            for key in keys:
+                ws.acquiring.pop(key, None)
+            if not ws.acquiring:
+                ws.acquiring = None
+        return self._end()
+
+    def remove_replicas(self, worker, keys, stimulus_id) -> tuple:
+        """``worker`` no longer counts as a holder of these keys and is told to free them
+        (a task there that needs one keeps its copy until it is done). Refused unless
+        every key is in memory, held by ``worker`` and by at least one other worker: the
+        last copy of a result is never dropped this way."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        _check_keys(keys, "remove_replicas")
+        ws: WorkerState = self.workers.get(worker)
+        ts: TaskState
+        if ws is None:
+            raise InvalidStimulus(f"remove_replicas: {bounded_repr(worker)} is not a "
+                                  "registered worker")
+        for key in dict.fromkeys(keys):
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != MEMORY or ws not in ts.who_has:
+                raise InvalidStimulus(f"remove_replicas: {worker} holds no "
+                                      f"{bounded_repr(key)}")
+            if len(ts.who_has) < 2:
+                raise InvalidStimulus(f"remove_replicas: {worker} holds the only copy of "
+                                      f"{bounded_repr(key)}")
+        self._begin(stimulus_id)
+        for key in dict.fromkeys(keys):
+            ts = self.tasks[key]
+            self._remove_holder(ts, ws)
+            self._free_key(ws, key)
+        return self._end()
+
+    def retire_worker(self, worker, stimulus_id) -> tuple:
+        """``worker`` is being retired: it takes no new task (tasks it runs go on, and
+        its results stay until they are copied or it leaves). Refused unless it is a
+        running worker."""
+        ws: WorkerState = self._worker_in(worker, WORKER_RUNNING, stimulus_id, "retire_worker")
+        self._begin(stimulus_id)
+        ws.status = WORKER_RETIRING
+        self.idle.pop(worker, None)
+        return self._end()
+
+    def unretire_worker(self, worker, stimulus_id) -> tuple:
+        """A retirement was given up: ``worker`` takes tasks again. Refused unless it is
+        retiring."""
+        ws: WorkerState = self._worker_in(worker, WORKER_RETIRING, stimulus_id,
+                                          "unretire_worker")
+        self._begin(stimulus_id)
+        ws.status = WORKER_RUNNING
+        if not self._saturated(ws):
+            self.idle[worker] = ws
+        ts: TaskState
+        for ts in self.unrunnable:
+            self._recs[ts] = PROCESSING
+        return self._end()
+
+    @cython.cfunc
+    def _worker_in(self, worker, status: str, stimulus_id, what: str) -> WorkerState:
+        """The registered worker ``worker`` in ``status``, or InvalidStimulus."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        ws: WorkerState = self.workers.get(worker)
+        if ws is None or ws.status != status:
+            raise InvalidStimulus(f"{what}: {bounded_repr(worker)} is not a {status} worker")
+        return ws
+
+    @cython.cfunc
+    def _answering_worker(self, worker, keys, stimulus_id, what: str) -> object:
+        """The checks of a worker's answer to acquire-replicas: its WorkerState (None if
+        it is not registered: then the answer is ignored), or Unauthorized if it names
+        a key it was not asked to copy."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        _check_keys(keys, what)
+        ws: WorkerState = self.workers.get(worker)
+        if ws is None:
+            return None
+        refused = [key for key in keys if ws.acquiring is None or key not in ws.acquiring]
+        if refused:
+            raise Unauthorized(f"{what}: worker {bounded_repr(worker)} was not asked to copy "
+                               f"{_some(refused)}")
+        return ws
+
     # ------------------------------------------------------------------ authorization
 
     def check_cancel(self, client, keys, force=False) -> None:
@@ -1334,6 +1505,11 @@ class SchedulerState:
         if refused:
             raise Unauthorized(f"{what}: client {bounded_repr(client)} does not want "
                                f"{_some(refused)}")
+
+    @cython.cfunc
+    def _asked_to_acquire(self, ws: Optional[WorkerState], key) -> cython.bint:
+        """Whether ``ws`` was asked to copy ``key`` and has not answered yet."""
+        return ws is not None and ws.acquiring is not None and key in ws.acquiring
 
     @cython.cfunc
     def _fetches(self, ws: Optional[WorkerState], ts: Optional[TaskState]) -> cython.bint:
@@ -1883,7 +2059,7 @@ class SchedulerState:
 
     @cython.cfunc
     def _send_worker(self, ws: WorkerState, msg: dict) -> None:
-        if ws.status != WORKER_RUNNING:
+        if ws.status == WORKER_CLOSED:
             return
         msgs = self._worker_msgs.get(ws.address)
         if msgs is None:
@@ -1894,7 +2070,7 @@ class SchedulerState:
     @cython.cfunc
     def _free_key(self, ws: WorkerState, key) -> None:
         """Tell a worker to drop a key; consecutive ones share one message, in order."""
-        if ws.status != WORKER_RUNNING:
+        if ws.status == WORKER_CLOSED:
             return
         msgs = self._worker_msgs.get(ws.address)
         if msgs is not None and msgs[-1]["op"] == "free-keys":
@@ -2053,12 +2229,12 @@ class SchedulerState:
         for dep in ts.dependencies:
             if dep.who_has is None:
                 continue
-            running: cython.bint = False
+            here: cython.bint = False
             for ws in dep.who_has:
-                if ws.status == WORKER_RUNNING:
-                    running = True
+                if ws.status != WORKER_CLOSED:
+                    here = True
                     break
-            if not running:
+            if not here:
                 lost.append(dep)
         for dep in lost:
             self._transition(dep, RELEASED)
@@ -2121,7 +2297,7 @@ class SchedulerState:
         best: WorkerState = None
         best_load: cython.double = 0.0
         for ws in candidates:
-            if not self._worker_fits(ws, ts, strict):
+            if ws.status != WORKER_RUNNING or not self._worker_fits(ws, ts, strict):
                 continue
             load: cython.double = (len(ws.processing) + ws.occupancy) / ws.nthreads
             if best is None or load < best_load:
@@ -2340,7 +2516,11 @@ class SchedulerState:
             nbytes = sum([ts.nbytes for ts in ws.has_what])
             _check(ws.nbytes == nbytes, f"{ws} holds {nbytes} bytes, counted {ws.nbytes}")
         for address, ws in self.workers.items():
-            _check(ws.address == address and ws.status == WORKER_RUNNING, f"{ws} registered")
+            _check(ws.address == address
+                   and (ws.status == WORKER_RUNNING or ws.status == WORKER_RETIRING),
+                   f"{ws} registered")
+            _check(ws.acquiring is None or len(ws.acquiring) > 0,
+                   f"{ws} has an empty acquiring dict")
             for ts in ws.processing:
                 _check(ts.state == PROCESSING and ts.processing_on is ws,
                        f"{ts} listed as processing on {ws}")
@@ -2351,7 +2531,8 @@ class SchedulerState:
             occupancy = sum([ts.estimate for ts in ws.processing])
             _check(abs(ws.occupancy - occupancy) < 1e-6 * (1 + occupancy),
                    f"{ws} occupancy {ws.occupancy} != {occupancy}")
-            _check((address in self.idle) == (not self._saturated(ws)),
+            _check((address in self.idle)
+                   == (ws.status == WORKER_RUNNING and not self._saturated(ws)),
                    f"{ws} idle status is wrong")
             seceded = ws.long_running if ws.long_running is not None else set()
             _check(seceded <= ws.processing and (ws.long_running is None or seceded),

@@ -57,8 +57,14 @@ Task states on a worker:
 ``forgotten``    gone from ``tasks``
 
 A value in memory is kept while the scheduler counts this worker as its holder
-(``reported``: it was computed here, reported held, or put here by a client) or while a
-task here that has not finished needs it (a fetched copy).
+(``reported``: it was computed here, reported held, put here by a client, or copied here
+at the scheduler's request) or while a task here that has not finished needs it (a
+fetched copy).
+
+Copies the scheduler asks for (``acquire_replicas``: retirement, replicate, rebalance)
+are fetched like inputs; each request is answered exactly once: ``add-keys`` once the
+value is held (then it counts as reported), or ``acquire-failed`` if no holder gave it,
+the scheduler freed the key first, or it left memory within the same stimulus.
 """
 from __future__ import annotations
 
@@ -149,6 +155,7 @@ class WorkerTask:
     coming_from: Optional[str]  # while in flight: the peer asked
     nbytes: cython.Py_ssize_t  # size of the value; -1 while unknown
     reported: cython.bint  # in memory, and the scheduler counts this worker as a holder
+    acquire: cython.bint  # the scheduler asked for a copy here (acquire-replicas); unanswered
     executing: cython.bint  # an execution is handed to the executor; its outcome is due
     check: cython.bint  # the execution must show its result can be serialized
 
@@ -170,6 +177,7 @@ class WorkerTask:
         self.coming_from = None
         self.nbytes = -1
         self.reported = False
+        self.acquire = False
         self.executing = False
         self.check = False
 
@@ -207,6 +215,19 @@ def _check_keys(keys, what: str) -> None:
         raise InvalidStimulus(f"{what}: keys must be a list of keys, not {bounded_repr(keys)}")
     for key in keys:
         _check_key(key, what)
+
+
+@cython.cfunc
+def _check_who_has(who_has, what: str) -> None:
+    """``{key: [address, ...]}`` with at least one holder each, or InvalidStimulus."""
+    if type(who_has) is not dict:
+        raise InvalidStimulus(f"{what}: who_has must be a dict, not {bounded_repr(who_has)}")
+    for key, holders in who_has.items():
+        _check_key(key, what)
+        if not isinstance(holders, _SEQUENCE) or not holders or not all(
+                [isinstance(h, str) for h in holders]):
+            raise InvalidStimulus(f"{what}: the holders of {bounded_repr(key, 80)} must be a "
+                                  f"non-empty list of addresses, not {bounded_repr(holders)}")
 
 
 @cython.cfunc
@@ -396,6 +417,8 @@ class WorkerCore:
     _recs: dict
     _instructions: list
     _reschedules: list  # reschedule messages of this stimulus: sent after the rest
+    _acquired: list  # keys copied here on request in this stimulus (add-keys at its end)
+    _not_acquired: list  # copies asked for that will not come (acquire-failed, at the end)
     _stimulus_id: str
     _now: object
 
@@ -455,6 +478,8 @@ class WorkerCore:
         self._recs = {}
         self._instructions = []
         self._reschedules = []
+        self._acquired = []
+        self._not_acquired = []
         self._stimulus_id = ""
         self._now = 0.0
 
@@ -512,8 +537,8 @@ class WorkerCore:
         """One frame of the scheduler's stream: its compute-task and free-keys messages
         (docs/protocol.md), applied in order as one stimulus, so that the executions it
         starts are handed out in priority order and the inputs it needs are asked of
-        each peer in one request. Any other op is refused (the shell handles
-        ``close``)."""
+        each peer in one request. ``acquire-replicas`` messages are taken too
+        (``acquire_replicas``). Any other op is refused (the shell handles ``close``)."""
         _check_str(stimulus_id, "stimulus_id")
         if not isinstance(msgs, _SEQUENCE):
             raise InvalidStimulus(f"scheduler_messages: msgs must be a list, not "
@@ -523,20 +548,27 @@ class WorkerCore:
             op = msg.get("op") if type(msg) is dict else None
             if op == "compute-task":
                 checked.append(_check_compute(msg))
-            elif op == "free-keys":
-                keys = msg.get("keys")
-                _check_keys(keys, "free-keys")
+            elif op == "free-keys" or op == "acquire-replicas":
+                if op == "free-keys":
+                    keys = msg.get("keys")
+                    _check_keys(keys, "free-keys")
+                else:
+                    keys = msg.get("who_has")
+                    _check_who_has(keys, "acquire-replicas")
                 sid = msg.get("stimulus_id")
-                checked.append((keys, sid if isinstance(sid, str) else None))
+                checked.append((op, keys, sid if isinstance(sid, str) else None))
             else:
-                raise InvalidStimulus(f"scheduler_messages: not a compute-task or free-keys "
-                                      f"message: {bounded_repr(msg)}")
+                raise InvalidStimulus(f"scheduler_messages: not a compute-task, free-keys or "
+                                      f"acquire-replicas message: {bounded_repr(msg)}")
         self._begin(stimulus_id)
         for parts in checked:
-            if len(parts) == 2:
-                if parts[1] is not None:
-                    self._stimulus_id = parts[1]
-                self._free_keys(parts[0])
+            if len(parts) == 3:
+                if parts[2] is not None:
+                    self._stimulus_id = parts[2]
+                if parts[0] == "free-keys":
+                    self._free_keys(parts[1])
+                else:
+                    self._acquire_copies(parts[1])
             else:
                 self._compute_task(parts)
         self._stimulus_id = stimulus_id
@@ -551,6 +583,9 @@ class WorkerCore:
                 continue
             ts.run_spec = None
             ts.reported = False
+            if ts.acquire:  # the scheduler no longer wants the copy it asked for
+                ts.acquire = False
+                self._not_acquired.append(key)
             state = ts.state
             if state == EXECUTING:
                 self._transition(ts, CANCELLED)
@@ -698,6 +733,7 @@ class WorkerCore:
         for ts in list(self.tasks.values()):
             ts.run_spec = None
             ts.reported = False
+            ts.acquire = False  # nobody left to answer
         for ts in list(self.tasks.values()):
             state = ts.state
             if state == EXECUTING or state == CANCELLED:
@@ -706,7 +742,7 @@ class WorkerCore:
             elif state in PENDING_STATES:
                 self._transition(ts, RELEASED)
         for ts in list(self.tasks.values()):
-            if ts.state == MEMORY or ts.state == FLIGHT:
+            if ts.state == MEMORY or ts.state == FLIGHT or ts.state == FETCH:
                 self._recs[ts] = RELEASED
         return self._end()
 
@@ -760,10 +796,7 @@ class WorkerCore:
         self._begin(stimulus_id)
         ts: WorkerTask
         for key, value in data.items():
-            ts = self.tasks.get(key)
-            if ts is None:
-                ts = WorkerTask(key)
-                self.tasks[key] = ts
+            ts = self._task_of(key)
             ts.run_spec = None
             size = nbytes.get(key, -1) if nbytes else -1
             if ts.state == MEMORY:
@@ -774,7 +807,36 @@ class WorkerCore:
             ts.reported = True
         return self._end()
 
+    def acquire_replicas(self, who_has, stimulus_id) -> list:
+        """The scheduler asks this worker to hold a copy of each key, fetched from the
+        holders named: ``who_has`` is ``{key: [address, ...]}`` (its ``acquire-replicas``).
+
+        Each key is answered once: ``{"op": "add-keys", "keys"}`` once the value is held
+        here (a value already held is answered at once), ``{"op": "acquire-failed",
+        "keys"}`` if no holder gave it (after a ``missing-data`` for each holder that
+        failed) or the scheduler freed the key first. A key this worker is computing is
+        answered when its execution is done."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_who_has(who_has, "acquire_replicas")
+        self._begin(stimulus_id)
+        self._acquire_copies(who_has)
+        return self._end()
+
     # ------------------------------------------------------------------ stimulus parts
+
+    @cython.cfunc
+    def _acquire_copies(self, who_has: dict) -> None:
+        ts: WorkerTask
+        for key, holders in who_has.items():
+            ts = self._task_of(key)
+            if ts.state == MEMORY:
+                ts.reported = True
+                self._acquired.append(key)
+                continue
+            ts.acquire = True
+            self._merge_holders(ts, holders)
+            if ts.state == RELEASED:
+                self._transition(ts, FETCH)
 
     @cython.cfunc
     def _compute_task(self, parts: tuple) -> None:
@@ -824,6 +886,15 @@ class WorkerCore:
             self._link_dependencies(ts, who_has)
         self._recs.pop(ts, None)
         self._transition(ts, WAITING)
+
+    @cython.cfunc
+    def _task_of(self, key) -> WorkerTask:
+        """The task of ``key``, made (released) if there is none."""
+        ts: WorkerTask = self.tasks.get(key)
+        if ts is None:
+            ts = WorkerTask(key)
+            self.tasks[key] = ts
+        return ts
 
     @cython.cfunc
     def _link_dependencies(self, ts: WorkerTask, who_has: dict) -> None:
@@ -984,17 +1055,41 @@ class WorkerCore:
                 self._feed()
             if not recs:
                 break
+        if self._acquired:
+            self._answer_acquired()
         if self._reschedules:
             # After every missing-data of the stimulus: the scheduler accepts a worker's
             # missing-data only while a task there needs the key, which a reschedule
             # ends.
             self._instructions.extend(self._reschedules)
             self._reschedules = []
+        if self._not_acquired:  # last, for the same reason as the reschedules
+            self._instructions.append(SendMessage(
+                {"op": "acquire-failed", "keys": self._not_acquired,
+                 "stimulus_id": self._stimulus_id}))
+            self._not_acquired = []
         if self.validate:
             self.validate_state()
         result = self._instructions
         self._instructions = []
         return result
+
+    @cython.cfunc
+    def _answer_acquired(self) -> None:
+        """``add-keys`` for the copies that arrived in this stimulus and are still held;
+        ``acquire-failed`` for those that left memory again before its end."""
+        ts: WorkerTask
+        held = []
+        for key in self._acquired:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.state == MEMORY and ts.reported:
+                held.append(key)
+            else:
+                self._not_acquired.append(key)
+        self._acquired = []
+        if held:
+            self._instructions.append(SendMessage(
+                {"op": "add-keys", "keys": held, "stimulus_id": self._stimulus_id}))
 
     @cython.cfunc
     def _runaway(self, ts: WorkerTask, finish: str, limit: cython.Py_ssize_t) -> None:
@@ -1152,6 +1247,9 @@ class WorkerCore:
             for errant in ts.failed:
                 self._instructions.append(SendMessage(
                     {"op": "missing-data", "key": ts.key, "errant_worker": errant}))
+        if ts.acquire:
+            ts.acquire = False
+            self._not_acquired.append(ts.key)
         if ts.dependents is not None:
             for dts in list(ts.dependents):  # all waiting: nothing else lacks an input
                 self._reschedules.append(SendMessage({"op": "reschedule", "key": dts.key}))
@@ -1166,7 +1264,8 @@ class WorkerCore:
     def _needed(self, ts: WorkerTask) -> cython.bint:
         """Whether anything keeps ``ts``: the scheduler's wish to compute it here, its
         count on the value held here, or a task here that needs the value."""
-        return ts.run_spec is not None or ts.reported or ts.dependents is not None
+        return (ts.run_spec is not None or ts.reported or ts.dependents is not None
+                or ts.acquire)
 
     @cython.cfunc
     def _next_state(self, ts: WorkerTask) -> str:
@@ -1175,7 +1274,7 @@ class WorkerCore:
             return EXECUTING if ts.run_spec is not None else CANCELLED
         if ts.run_spec is not None:
             return WAITING
-        if ts.dependents is not None:
+        if ts.dependents is not None or ts.acquire:
             return FETCH
         return FORGOTTEN
 
@@ -1220,6 +1319,10 @@ class WorkerCore:
         ts.who_has = None
         ts.failed = None
         ts.check = False
+        if ts.acquire:  # the copy the scheduler asked for: it counts on it from now on
+            ts.acquire = False
+            ts.reported = True
+            self._acquired.append(ts.key)
         self._instructions.append(_tuple_new(StoreData, (ts.key, value)))
         if ts.dependents is not None:
             for dts in ts.dependents:
@@ -1513,6 +1616,8 @@ class WorkerCore:
             _check(ts.run_spec is None, f"{ts} is fetched although it is to compute here")
         else:
             _check(ts.coming_from is None, f"{ts} is {state} but coming from a peer")
+        if ts.acquire:
+            _check(state != MEMORY, f"{ts} is held and still to acquire")
         if state == MEMORY:
             _check(ts.run_spec is None, f"{ts} is in memory and still to compute")
             _check(ts.who_has is None and ts.failed is None,

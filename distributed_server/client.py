@@ -1253,6 +1253,59 @@ class Client:
         except asyncio.TimeoutError:
             raise TimeoutError(f"fewer than {n_workers} workers after {timeout}s") from None
 
+    # ------------------------------------------------------------ moving results
+    # (the scheduler's side: retirement.py)
+
+    def retire_workers(self, workers=None, n: int | None = None, close_workers: bool = True):
+        """Retire workers gracefully: ``workers`` (addresses or names), or the ``n``
+        holding the fewest bytes. A retiring worker takes no new task; every result only
+        it holds is copied to another worker first; then, with ``close_workers``, it
+        closes (its nanny does not start it again), else it stays connected, taking no
+        task and holding nothing. Returns ``{address: worker info}`` of the workers
+        retired, as dask. A worker whose results no other worker could take (none is
+        running, or every copy failed) is not retired: it takes tasks again, and a
+        RuntimeWarning says why. Tasks still running on a retired worker when it leaves
+        run again elsewhere."""
+        if workers is None and n is None:
+            raise ValueError("retire_workers needs workers= (addresses or names) or n=")
+        if isinstance(workers, (str, int)):
+            workers = [workers]
+        return self._sync(self._retire_workers, None if workers is None else list(workers),
+                          n, close_workers)
+
+    async def _retire_workers(self, workers, n, close_workers: bool) -> dict:
+        result = await self._request("retire-workers", workers=workers, n=n,
+                                     close_workers=close_workers)
+        for address, why in result["refused"].items():
+            warnings.warn(f"worker {address} was not retired: {why}", RuntimeWarning)
+        return dict(result["retired"])
+
+    def replicate(self, futures, n: int | None = None, workers=None,
+                  branching_factor: int = 2) -> None:
+        """Copy the futures' results onto ``n`` workers (all of ``workers``, or of the
+        cluster, for None), worker to worker, ``branching_factor`` new copies per holder
+        and round; copies past ``n`` among those workers are dropped. A RuntimeWarning
+        names the keys left short (not computed yet, or copies that failed)."""
+        keys = [state.key for state in _unique_states(_futures_in(futures))]
+        return self._sync(self._move_results, "replicate",
+                          {"keys": keys, "n": n, "branching_factor": branching_factor,
+                           "workers": None if workers is None else list(workers)})
+
+    def rebalance(self, futures=None, workers=None) -> None:
+        """Move results from workers holding more bytes than the mean to those holding
+        fewer (only the futures' results, and only among ``workers``, if given). A
+        RuntimeWarning names given futures that could not move."""
+        keys = None if futures is None else [
+            state.key for state in _unique_states(_futures_in(futures))]
+        return self._sync(self._move_results, "rebalance",
+                          {"keys": keys, "workers": None if workers is None else list(workers)})
+
+    async def _move_results(self, op: str, fields: dict) -> None:
+        result = await self._request(op, **fields)
+        if result.get("status") == "partial-fail":
+            warnings.warn(f"{op}: not done for {list(result['keys'])!r:.300}: not in memory, "
+                          "or their copies failed", RuntimeWarning)
+
 
 def _time_bound(value, name: str) -> float | None:
     """A task stream bound: None, a number of seconds since the epoch, or a datetime."""

@@ -22,6 +22,10 @@ every nanny to restart its workers, and answers once as many workers as before h
 registered again, or after the request's timeout. It is refused, with nothing changed,
 while any worker has no nanny (it could not come back).
 
+``retire-workers``, ``replicate`` and ``rebalance`` are carried out by `ReplicaMover`
+(retirement.py) through the core's replica stimuli; workers' ``add-keys`` and
+``acquire-failed`` answers become ``replicas_added`` / ``replicas_failed``.
+
 The coordination primitives' state (`distributed_server.coordination`: variables,
 queues, locks, semaphores, events, pub/sub) is held by composition too: their client
 messages go to `Coordination.handle`, a client's departure to ``client_gone``, and a
@@ -43,6 +47,8 @@ from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, pa
 from .coordination import COORDINATION_CLIENT, OPS as COORDINATION_OPS
 from .coordination import Coordination, CoordinationLimits
 from .loop_lag import LoopLagMonitor
+from .retirement import OPS as REPLICA_OPS
+from .retirement import ReplicaMover
 from .security import Security, check_listen_security
 from .task_stream import TaskStream
 from .versions import essential, mismatches, versions
@@ -198,6 +204,10 @@ class Scheduler:
         self._coordination_when = 0.0
         for op in COORDINATION_OPS:
             self._client_handlers[op] = self._coordinate
+        #: retire_workers, replicate, rebalance (retirement.py)
+        self.replicas = ReplicaMover(self)
+        for op in REPLICA_OPS:
+            self._client_handlers[op] = self._move_replicas
 
     def __repr__(self):
         return (f"<Scheduler {self.address or 'not started'} workers={len(self.worker_comms)}"
@@ -325,6 +335,7 @@ class Scheduler:
                 self._in_background(self._let_go_of_departed(address))
             self._joined.pop(address, None)
             self._workers_changed.set()
+            self.replicas.changed()
             logger.info("worker %s left", address)
 
     async def _let_go_of_departed(self, address: str) -> None:
@@ -480,6 +491,13 @@ class Scheduler:
                 self._stimulus(address, op, self.state.reschedule, address, msg.get("key"))
             elif op == "long-running":  # a task seceded: it waits without a thread
                 self._stimulus(address, op, self.state.task_seceded, address, msg.get("key"))
+            elif op == "add-keys":  # it holds copies it was asked for (retirement.py)
+                self._stimulus(address, op, self.state.replicas_added, address, msg.get("keys"))
+                self.replicas.changed()
+            elif op == "acquire-failed":
+                self._stimulus(address, op, self.state.replicas_failed, address,
+                               msg.get("keys"))
+                self.replicas.changed()
             else:
                 raise MessageError(f"unknown operation {bounded_repr(op, 60)} from worker "
                                    f"{address}")
@@ -846,6 +864,12 @@ class Scheduler:
             _send_quietly(comm, {"op": "reply", "reqid": reqid, "error": text})
 
     # ------------------------------------------------------------------ coordination
+
+    def _move_replicas(self, client_id: str, msg: dict) -> None:
+        """``retire-workers``, ``replicate``, ``rebalance``: carried out by
+        `ReplicaMover` in the background (the client's later messages are not held up);
+        answered when done."""
+        self._in_background(self.replicas.handle(client_id, msg))
 
     def _task_exists(self, key) -> bool:
         return key in self.state.tasks

@@ -120,7 +120,9 @@ def snapshot(state) -> dict:
         "tasks": tasks,
         "workers": {address: (ws.name, ws.nthreads, ws.slots, ws.resources, ws.status,
                               _keys(ws.processing), _keys(ws.has_what), ws.nbytes,
-                              ws.occupancy)
+                              ws.occupancy,
+                              None if ws.acquiring is None else
+                              {key: id(ts) for key, ts in ws.acquiring.items()})
                     for address, ws in state.workers.items()},
         "departing": {address: (_keys(ws.has_what), ws.nbytes)
                       for address, ws in state.departing.items()},
@@ -160,6 +162,7 @@ class Sim:
         self.computing: dict = {}  # address -> {key: compute-task message}
         self.data: dict = {}  # address -> set of keys held
         self.log: list = []  # every (client_msgs, worker_msgs) the state returned
+        self.asked: dict = {}  # address -> keys it was asked to copy (acquire-replicas)
         self.n = 0
 
     # -- stimuli -------------------------------------------------------------------------------
@@ -188,6 +191,10 @@ class Sim:
                     for key in msg["keys"]:
                         computing.pop(key, None)
                         data.discard(key)
+                elif msg["op"] == "acquire-replicas":
+                    for key, holders in msg["who_has"].items():
+                        assert holders and all(key in self.data[h] for h in holders), msg
+                    self.asked.setdefault(address, set()).update(msg["who_has"])
                 else:
                     raise AssertionError(f"unexpected worker message {msg}")
         for address, msg in sent:
@@ -233,6 +240,13 @@ class Sim:
     def remove_client(self, client: str = "c", stimulus_id=None) -> tuple:
         sid = self.sid("remove-client", stimulus_id)
         return self.record(self.state.remove_client(client, sid))
+
+    def copied(self, address: str, *keys, stimulus_id=None) -> tuple:
+        """The worker at ``address`` holds the copies of ``keys`` it was asked for."""
+        self.asked[address].difference_update(keys)
+        self.data[address].update(keys)
+        sid = self.sid("add-keys", stimulus_id)
+        return self.record(self.state.replicas_added(address, list(keys), sid))
 
     def where(self, key) -> str:
         """The one worker that was told to compute ``key`` and has not finished it."""

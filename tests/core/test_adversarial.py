@@ -269,6 +269,45 @@ class AdversarialMachine(RuleBasedStateMachine):
             address, key = pick(running, i)
         self.call("reschedule", address, key, self.sid(sid))
 
+    # -- copies between workers, retirement ---------------------------------------------
+
+    @rule(valid=st.booleans(), i=INDEX, address=WORKER, keys=KEY_LIST, sid=SID)
+    def acquire_replicas(self, valid, i, address, keys, sid):
+        copies = sorted(((ws.address, ts.key) for ts in self.state.tasks.values()
+                         if ts.state == "memory" for ws in self.state.workers.values()
+                         if ws not in ts.who_has and ws.status == "running"
+                         and (ws.acquiring is None or ts.key not in ws.acquiring)), key=repr)
+        if valid and copies:
+            address, key = pick(copies, i)
+            keys = [key]
+        self.call("acquire_replicas", address, keys, self.sid(sid))
+
+    @rule(valid=st.booleans(), added=st.booleans(), i=INDEX, address=WORKER, keys=KEY_LIST,
+          sid=SID)
+    def answer_copies(self, valid, added, i, address, keys, sid):
+        """A worker's add-keys or acquire-failed: for copies it was asked for, or lies."""
+        asked = sorted(((ws.address, key) for ws in self.state.workers.values()
+                        for key in ws.acquiring or ()), key=repr)
+        if valid and asked:
+            address, key = pick(asked, i)
+            keys = [key]
+        self.call("replicas_added" if added else "replicas_failed", address, keys,
+                  self.sid(sid))
+
+    @rule(valid=st.booleans(), i=INDEX, address=WORKER, keys=KEY_LIST, sid=SID)
+    def remove_replicas(self, valid, i, address, keys, sid):
+        copies = sorted(((ws.address, ts.key) for ts in self.state.tasks.values()
+                         if ts.who_has is not None and len(ts.who_has) > 1
+                         for ws in ts.who_has), key=repr)
+        if valid and copies:
+            address, key = pick(copies, i)
+            keys = [key]
+        self.call("remove_replicas", address, keys, self.sid(sid))
+
+    @rule(retire=st.booleans(), address=WORKER, sid=SID)
+    def retire_or_unretire(self, retire, address, sid):
+        self.call("retire_worker" if retire else "unretire_worker", address, self.sid(sid))
+
     # -- checks ----------------------------------------------------------------------------
 
     @invariant()

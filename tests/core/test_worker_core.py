@@ -397,7 +397,7 @@ def test_a_frame_of_the_scheduler_is_one_stimulus_in_message_order():
     assert w.story("gone") == [("gone", "released", "ready", "compute-gone", 0.0),
                                ("gone", "ready", "released", "frame", 0.0),
                                ("gone", "released", "forgotten", "frame", 0.0)]
-    with pytest.raises(InvalidStimulus, match="not a compute-task or free-keys"):
+    with pytest.raises(InvalidStimulus, match="not a compute-task, free-keys or acquire-replicas"):
         w.scheduler_messages([{"op": "close"}], "frame")
 
 
@@ -587,3 +587,82 @@ def test_every_missing_data_of_a_stimulus_goes_before_its_reschedules():
     w.compute_tasks([compute("D", {k: [A] for k in ("k1", "k2", "k3")})], "s1")
     ops = [ins.msg["op"] for ins in w.fetch_failed(A, ["k1", "k2", "k3"], "s2")]
     assert ops == ["missing-data"] * 3 + ["reschedule"]
+
+
+# ---------------------------------------------------------------------- copies asked for
+
+
+def added(*keys, sid) -> SendMessage:
+    return SendMessage({"op": "add-keys", "keys": list(keys), "stimulus_id": sid})
+
+
+def not_acquired(*keys, sid) -> SendMessage:
+    return SendMessage({"op": "acquire-failed", "keys": list(keys), "stimulus_id": sid})
+
+
+def test_a_copy_asked_for_is_fetched_kept_and_confirmed():
+    w = core()
+    assert w.acquire_replicas({"x": [A], "y": [A]}, "copy") == [Fetch(A, ["x", "y"])]
+    assert w.fetch_done(A, {"x": 1, "y": 2}, [], "got", nbytes={"x": 8, "y": 9}) == [
+        StoreData("x", 1), StoreData("y", 2), added("x", "y", sid="got")]
+    assert w.tasks["x"].reported and w.tasks["x"].nbytes == 8
+    assert w.story("x") == [("x", "released", "fetch", "copy", 0.0),
+                            ("x", "fetch", "flight", "copy", 0.0),
+                            ("x", "flight", "memory", "got", 0.0)]
+    assert w.free_keys(["x"], "free") == [ReleaseData("x")]  # a held copy goes when freed
+
+
+def test_a_value_held_for_a_task_here_is_confirmed_at_once_and_kept_after_the_task():
+    w = core()
+    w.compute_tasks([compute("z", who_has={"x": [A]})], "c")
+    w.fetch_done(A, {"x": 1}, [], "got")
+    assert w.acquire_replicas({"x": [A]}, "copy") == [added("x", sid="copy")]
+    w.execute_success("z", 3, finished("z"), "ran")
+    assert states(w) == {"x": "memory", "z": "memory"}  # the scheduler counts on x here
+
+
+def test_a_copy_no_holder_gives_is_reported_missing_then_failed():
+    w = core(max_fetch_attempts=2)
+    assert w.acquire_replicas({"x": [A, B]}, "copy") in ([Fetch(A, ["x"])], [Fetch(B, ["x"])])
+    first = w.tasks["x"].coming_from
+    second = B if first == A else A
+    assert w.fetch_done(first, {}, ["x"], "no") == [Fetch(second, ["x"])]
+    assert w.fetch_failed(second, ["x"], "down") == [
+        missing("x", first), missing("x", second), not_acquired("x", sid="down")]
+    assert w.tasks == {}
+
+
+def test_a_copy_freed_before_it_arrives_is_answered_failed_and_not_kept():
+    w = core()
+    w.acquire_replicas({"x": [A]}, "copy")
+    assert w.free_keys(["x"], "free") == [not_acquired("x", sid="free")]
+    assert w.fetch_done(A, {"x": 1}, [], "late") == []
+    assert w.tasks == {}
+
+
+def test_a_copy_of_a_key_computed_here_is_confirmed_when_it_is_done():
+    w = core()
+    w.compute_tasks([compute("x")], "c")
+    assert w.acquire_replicas({"x": [A]}, "copy") == []
+    assert w.execute_success("x", 1, finished("x"), "ran") == [
+        StoreData("x", 1), SendMessage(finished("x")), added("x", sid="ran")]
+
+
+def test_acquire_replicas_refuses_malformed_holders_and_changes_nothing():
+    w = core()
+    w.acquire_replicas({"x": [A]}, "copy")
+    before = (states(w), w.tasks["x"].who_has, w.transition_log)
+    for bad in [{"y": []}, {"y": A}, {"y": [1]}, [("y", [A])], {float("nan"): [A]}]:
+        with pytest.raises(InvalidStimulus):
+            w.acquire_replicas(bad, "bad")
+        with pytest.raises(InvalidStimulus):
+            w.scheduler_messages([{"op": "acquire-replicas", "who_has": bad}], "bad")
+    assert (states(w), w.tasks["x"].who_has, w.transition_log) == before
+
+
+def test_the_scheduler_lost_drops_copies_without_answering():
+    w = core()
+    w.pause("memory")  # the copy stays to fetch
+    w.acquire_replicas({"x": [A]}, "copy")
+    assert w.scheduler_lost("lost") == []
+    assert w.tasks == {}

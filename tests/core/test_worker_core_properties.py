@@ -4,14 +4,17 @@ Hypothesis draws a random graph of tasks, then random stimuli: compute-task (wit
 holders for the inputs, some naming this worker), free-keys, execution outcomes
 (finished, erred, skipped), fetch outcomes (values, missing keys, keys that cannot be
 serialized, whole requests failing), peers gone, the scheduler lost, pause and unpause,
-values that failed to serve, values put by a client. A model of the shell carries out
+values that failed to serve, values put by a client, copies the scheduler asks for
+(acquire-replicas). A model of the shell carries out
 the instructions (a data mapping, outstanding executions and fetches) and checks what
 the shell relies on after every step:
 
 - the data mapping holds exactly the keys the machine has in memory;
 - an ``Execute`` finds every input in the data mapping, and a key is never executed
   while an execution of it is outstanding or its value is held;
-- ``ReleaseData`` / ``ReportHeld`` name held keys only.
+- ``ReleaseData`` / ``ReportHeld`` name held keys only;
+- every copy asked for is answered exactly once (``add-keys`` naming a held key, or
+  ``acquire-failed``), unless the scheduler is lost.
 
 With the compiled core loaded, the same ``.pyx`` also runs as Python source in lockstep
 and must return the same instructions. At the end, every outstanding operation is
@@ -48,7 +51,8 @@ ME = "tcp://me:1"
 PEERS = ["tcp://p1:1", "tcp://p2:1", "tcp://p3:1"]
 N_KEYS = 8
 KEYS = [f"k{i}" for i in range(N_KEYS)]
-OPS = {"task-finished", "task-erred", "missing-data", "reschedule"}
+OPS = {"task-finished", "task-erred", "missing-data", "reschedule", "add-keys",
+       "acquire-failed"}
 
 
 def load_source_worker_core():
@@ -87,6 +91,7 @@ class WorkerMachine(RuleBasedStateMachine):
         self.wanted: set = set()  # keys the scheduler asked for and has no answer about
         self.in_frame: set = set()  # keys a frame asked for (a later message may free them)
         self.answered: set = set()  # keys answered while a frame is applied
+        self.acquiring: set = set()  # keys asked to copy here, not answered yet
         self.n = 0
 
     # ------------------------------------------------------------------ helpers
@@ -122,7 +127,13 @@ class WorkerMachine(RuleBasedStateMachine):
             elif kind is SendMessage:
                 op = ins.msg["op"]
                 assert op in OPS, ins.msg
-                if op != "missing-data":  # an answer about a task: only one, if asked
+                if op == "add-keys" or op == "acquire-failed":  # once per copy asked
+                    for key in ins.msg["keys"]:
+                        assert key in self.acquiring, ins.msg
+                        self.acquiring.discard(key)
+                        if op == "add-keys":
+                            assert key in self.data and self.core.tasks[key].reported
+                elif op != "missing-data":  # an answer about a task: only one, if asked
                     key = ins.msg["key"]
                     assert key in self.wanted or key in self.in_frame, ins.msg
                     self.wanted.discard(key)
@@ -190,6 +201,21 @@ class WorkerMachine(RuleBasedStateMachine):
         self.call("scheduler_messages", msgs, self.sid("frame"))
         self.wanted = wanted_after - self.answered  # reported held or erred at once
         self.in_frame = set()
+
+    @rule(data=st.data(), in_frame=st.booleans())
+    def acquire(self, data, in_frame):
+        """The scheduler asks for copies of keys it has not asked for already."""
+        keys = data.draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
+        keys = [key for key in keys if key not in self.acquiring]
+        who_has = {key: data.draw(st.lists(st.sampled_from(PEERS + [ME]), min_size=1,
+                                           max_size=3, unique=True)) for key in keys}
+        self.acquiring.update(keys)
+        if in_frame:
+            self.call("scheduler_messages", [{"op": "acquire-replicas", "who_has": who_has,
+                                              "stimulus_id": self.sid("acquire")}],
+                      self.sid("frame"))
+        else:
+            self.call("acquire_replicas", who_has, self.sid("acquire"))
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=4))
     def free(self, keys):
@@ -262,6 +288,7 @@ class WorkerMachine(RuleBasedStateMachine):
     @rule()
     def scheduler_lost(self):
         self.wanted.clear()
+        self.acquiring.clear()
         self.call("scheduler_lost", self.sid("lost"))
 
     @rule(paused=st.booleans())
@@ -305,6 +332,7 @@ class WorkerMachine(RuleBasedStateMachine):
                               {"op": "task-finished", "key": key, "nbytes": 1}, self.sid("late"))
         assert self.core.tasks == {}, self.core.tasks
         assert self.data == {}
+        assert not self.acquiring, self.acquiring
         assert self.core.n_executing == 0 and not self.core.in_flight
         assert self.core.available_resources == {"R": 1}
         super().teardown()

@@ -265,6 +265,28 @@ class Processes:
                 proc.stdout.close()
 
 
+def nanny_processes(directory, *nanny_args):
+    """A generator for fixtures: `Processes` in ``directory`` with one nanny (``main``)
+    started with ``nanny_args``; closed after, and then its scheduler log must hold no
+    ERROR line."""
+    processes = Processes(directory)
+    try:
+        processes.main = processes.nanny(*nanny_args)
+        yield processes
+    finally:
+        processes.close()
+    processes.assert_no_errors()
+
+
+def nanny_client(processes, n_workers: int):
+    """A generator for fixtures: a Client of ``processes`` once its scheduler has
+    ``n_workers`` workers, all children of its nanny ``main``."""
+    with Client(processes.address, security=processes.security, set_as_default=False) as c:
+        c.wait_for_workers(n_workers, timeout=30)
+        wait_for(lambda: len(children(processes.main)) == n_workers)
+        yield c
+
+
 def children(proc) -> list:
     try:
         return psutil.Process(proc.pid).children()
