@@ -91,11 +91,13 @@ def _stall_figures(waits: list, start: float, stop: float) -> dict:
 def run_worker_leaves(n: int) -> dict:
     """One measurement: the worker holding ``n`` results is SIGKILLed."""
     env = _env()
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the workers import the task function
     with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
             Client(cluster, set_as_default=False, timeout=60) as client:
         start = time.perf_counter()
         futures = client.map(add, range(n), [0] * n)
         wait(futures)
+        assert cluster.scheduler_info()["task_counts"]["memory"] == n, "tasks failed"
         computed_s = time.perf_counter() - start
         (victim, pid), = client.run(os.getpid).items()
         cluster.scale(2)

@@ -88,7 +88,7 @@ SETTINGS = {
                                     _saturation),
     "scheduler.allowed-failures": ("distributed.scheduler.allowed-failures", 3, _count),
     "scheduler.client-idle-timeout": (None, 300.0, parse_seconds),
-    "scheduler.slice-keys": (None, 2_000, _positive_count),
+    "scheduler.slice-keys": (None, 1_000, _positive_count),
     "worker.memory.target": ("distributed.worker.memory.target", 0.6, _fraction),
     "worker.memory.spill": ("distributed.worker.memory.spill", 0.7, _fraction),
     "worker.memory.pause": ("distributed.worker.memory.pause", 0.8, _fraction),
