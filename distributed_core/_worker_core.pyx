@@ -928,6 +928,22 @@ class WorkerCore:
         entries = [tuple(flat[i:i + _LOG_FIELDS]) for i in range(0, len(flat), _LOG_FIELDS)]
         return entries[self._log_next:] + entries[:self._log_next]
 
+    def transitions_since(self, counter: int) -> tuple:
+        """``(entries, lost)``: the transitions made after `transition_counter` was
+        ``counter``, oldest first, as `transition_log` gives them; ``lost`` counts those
+        the bounded log no longer holds. O(entries): what a server reads after each
+        stimulus to tell plugins of transitions, never a walk over tasks."""
+        n: cython.Py_ssize_t = self.transition_counter - counter
+        flat: list = self._log_entries
+        held: cython.Py_ssize_t = len(flat) // _LOG_FIELDS
+        take: cython.Py_ssize_t = min(max(n, 0), held)
+        first: cython.Py_ssize_t = (self._log_next - take) % held if take else 0
+        entries = []
+        for j in range(take):
+            i = ((first + j) % held) * _LOG_FIELDS
+            entries.append(tuple(flat[i:i + _LOG_FIELDS]))
+        return entries, max(n, 0) - take
+
     def story(self, *keys) -> list:
         """The logged transitions of these keys: ``(key, start, finish, stimulus_id, time)``."""
         wanted = set(keys)

@@ -215,7 +215,7 @@ def write_cert_with_cryptography(cert_path: str, key_path: str) -> None:
 class Processes:
     """A validating scheduler process and the nannies started against it."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, scheduler_args=()):
         self.directory = directory
         self.security = Security(token=new_token())
         env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
@@ -224,7 +224,8 @@ class Processes:
         self.scheduler_log = directory / "scheduler.log"
         self.procs: list = []
         self.scheduler = self.spawn(["scheduler", "--port", "0", "--validate",
-                                     "--log-level", "INFO"], self.scheduler_log)
+                                     "--log-level", "INFO", *scheduler_args],
+                                    self.scheduler_log)
         line = self.scheduler.stdout.readline()
         assert line.startswith("Scheduler at "), (line, self.log())
         self.address = line.split()[2]
