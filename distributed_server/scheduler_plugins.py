@@ -239,8 +239,12 @@ class SchedulerPluginHooks:
 
     async def close(self) -> None:
         """The scheduler closes: await every plugin's ``close``, then tasks of hooks
-        still running."""
-        for name, hook in list(self.hooks["close"]):
+        still running. No hook is called after ``close`` (workers and clients that
+        leave as the connections close are not told of)."""
+        closing = list(self.hooks["close"])
+        for plugins in self.hooks.values():
+            plugins.clear()
+        for name, hook in closing:
             await self._await(name, "close", hook)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5.0)
