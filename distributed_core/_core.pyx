@@ -707,6 +707,8 @@ class SchedulerState:
     _log_entries: list  # ring buffer, flat: key, start, finish, stimulus_id, time, key, ...
     _log_capacity: cython.Py_ssize_t
     _log_next: cython.Py_ssize_t
+    _recording: cython.bint  # record_transitions is on
+    _recorded: list  # flat: key, start, finish, stimulus_id, key, ...
     transition_counter: cython.Py_ssize_t
     stimulus_counter: cython.Py_ssize_t  # stimuli that were taken (not refused)
     _state_counts: cython.Py_ssize_t[8]  # as TaskPrefix.counts, over all tasks
@@ -757,6 +759,8 @@ class SchedulerState:
         self._log_entries = []
         self._log_capacity = transition_log_length
         self._log_next = 0
+        self._recording = False
+        self._recorded = []
         self.transition_counter = 0
         self.stimulus_counter = 0
         if not cython.compiled:  # compiled: C arrays, zeroed with the object
@@ -1375,21 +1379,20 @@ class SchedulerState:
         entries = [tuple(flat[i:i + _LOG_FIELDS]) for i in range(0, len(flat), _LOG_FIELDS)]
         return entries[self._log_next:] + entries[:self._log_next]
 
-    def transitions_since(self, counter: int) -> tuple:
-        """``(entries, lost)``: the transitions made after `transition_counter` was
-        ``counter``, oldest first, as `transition_log` gives them; ``lost`` counts those
-        the bounded log no longer holds. O(entries): what a server reads after each
-        stimulus to tell plugins of transitions, never a walk over tasks."""
-        n: cython.Py_ssize_t = self.transition_counter - counter
-        flat: list = self._log_entries
-        held: cython.Py_ssize_t = len(flat) // _LOG_FIELDS
-        take: cython.Py_ssize_t = min(max(n, 0), held)
-        first: cython.Py_ssize_t = (self._log_next - take) % held if take else 0
-        entries = []
-        for j in range(take):
-            i = ((first + j) % held) * _LOG_FIELDS
-            entries.append(tuple(flat[i:i + _LOG_FIELDS]))
-        return entries, max(n, 0) - take
+    def record_transitions(self, on: bool) -> None:
+        """Start (True) or stop recording every transition for `take_transitions`: what a
+        server turns on while a plugin wants to be told of transitions. Unlike the
+        bounded `transition_log`, nothing is dropped; stopping discards what was not
+        taken."""
+        self._recording = bool(on)
+        self._recorded = []
+
+    def take_transitions(self) -> list:
+        """The transitions recorded since the last call, oldest first: ``(key, start,
+        finish, stimulus_id)`` each (none unless `record_transitions` is on)."""
+        flat = self._recorded
+        self._recorded = []
+        return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
 
     def clear_transition_log(self) -> None:
         """Forget the logged transitions (the counter keeps counting)."""
@@ -1573,6 +1576,8 @@ class SchedulerState:
         if ts.state != start:
             self._count_move(ts, start)
             self.transition_counter += 1
+            if self._recording:
+                self._recorded.extend((ts.key, start, ts.state, self._stimulus_id))
             if self._log_capacity <= 0:
                 return
             # Flat, not a tuple an entry: 40 bytes a transition instead of 88.

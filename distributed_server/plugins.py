@@ -13,8 +13,9 @@ What this module does
   awaitable) and reports the outcome; a failed setup comes back to the client as the
   original exception.
 - ``transition`` is called on the worker's event loop with the transitions of its state
-  machine (``WorkerCore.transitions_since``), read after each stimulus while a plugin
-  with a ``transition`` method is installed; with none, the worker does not look.
+  machine, which records them (``WorkerCore.record_transitions``) only while a plugin
+  with a ``transition`` method is installed; the worker takes them after each stimulus.
+  With none, the machine records nothing and the worker does not look.
 - `SchedulerPlugin`: ``start(scheduler)``, ``close()``, ``add_worker(scheduler,
   worker)``, ``remove_worker(scheduler, worker, **kwargs)``, ``add_client``,
   ``remove_client``, ``update_graph(scheduler, *, client, keys, tasks, **kwargs)``,
@@ -257,7 +258,6 @@ class WorkerPluginHost:
         self._bytes: dict = {}  # name -> the pickle it was installed from
         #: name -> the plugin's transition method, for plugins that have their own
         self.watchers: dict = {}
-        self._mark = 0  # the worker core's transition_counter when last read
         self._failures: dict = {}  # name -> transition calls that raised
 
     def add(self, name: str, data):
@@ -314,7 +314,7 @@ class WorkerPluginHost:
     def _installed(self, name: str, plugin) -> dict:
         if has_own_hook(plugin, "transition", "WorkerPlugin"):
             if not self.watchers:
-                self._mark = self.worker.state.transition_counter
+                self.worker.state.record_transitions(True)
             self.watchers[name] = plugin.transition
         logger.info("worker %s: plugin %r installed", self.worker.address, name)
         return _OK
@@ -324,7 +324,8 @@ class WorkerPluginHost:
         there was none), or an awaitable of it if ``teardown`` returned one."""
         plugin = self.plugins.pop(name, None)
         self._bytes.pop(name, None)
-        self.watchers.pop(name, None)
+        if self.watchers.pop(name, None) is not None and not self.watchers:
+            self.worker.state.record_transitions(False)
         self._failures.pop(name, None)
         teardown = getattr(plugin, "teardown", None)
         if teardown is None:
@@ -358,14 +359,9 @@ class WorkerPluginHost:
 
     def notify_transitions(self) -> None:
         """Call each plugin's ``transition`` with the transitions since the last call."""
-        entries, lost = self.worker.state.transitions_since(self._mark)
-        self._mark = self.worker.state.transition_counter
-        if lost:
-            logger.warning("worker %s: %d transitions in one stimulus were more than the "
-                           "transition log holds; plugins were not told of them",
-                           self.worker.address, lost)
+        entries = self.worker.state.take_transitions()
         for name, transition in list(self.watchers.items()):
-            for key, start, finish, stimulus_id, _ in entries:
+            for key, start, finish, stimulus_id in entries:
                 try:
                     transition(key, start, finish, stimulus_id=stimulus_id)
                 except Exception:

@@ -13,9 +13,10 @@ What this module does
 - `SchedulerPluginHooks` holds the scheduler plugins added in this process and calls
   their hooks (`distributed_server.plugins.SchedulerPlugin`) when the scheduler starts
   and closes, a worker or client comes or goes, a client sends tasks, and after each
-  stimulus with the transitions it made (``SchedulerState.transitions_since``). Only
-  plugins that define a hook are called for it; with no plugin defining ``transition``
-  the scheduler never reads the transition log.
+  stimulus with the transitions it made (the state machine records them, with
+  ``SchedulerState.record_transitions``, only while a plugin defines ``transition``).
+  Only plugins that define a hook are called for it; with none defining ``transition``
+  nothing is recorded and the scheduler does not look.
 
 What it never does
 ------------------
@@ -190,7 +191,6 @@ class SchedulerPluginHooks:
         self.hooks: dict = {hook: [] for hook in _SCHEDULER_HOOKS}
         #: plugins with a transition hook; non-empty: the scheduler reads transitions
         self.watchers: list = self.hooks["transition"]
-        self._mark = 0
         self._tasks: set = set()
 
     def add(self, plugin, name=None, idempotent: bool = False) -> None:
@@ -214,7 +214,7 @@ class SchedulerPluginHooks:
             logger.warning("scheduler plugin %r replaced", name)
             self.remove(name)
         if not self.watchers and has_own_hook(plugin, "transition", "SchedulerPlugin"):
-            self._mark = self.scheduler.state.transition_counter
+            self.scheduler.state.record_transitions(True)
         self.plugins[name] = plugin
         for hook, plugins in self.hooks.items():
             if has_own_hook(plugin, hook, "SchedulerPlugin"):
@@ -231,6 +231,8 @@ class SchedulerPluginHooks:
         del self.plugins[name]
         for plugins in self.hooks.values():
             plugins[:] = [(n, hook) for n, hook in plugins if n != name]
+        if not self.watchers:
+            self.scheduler.state.record_transitions(False)
 
     async def start(self) -> None:
         """The scheduler runs: await every plugin's ``start``."""
@@ -244,6 +246,7 @@ class SchedulerPluginHooks:
         closing = list(self.hooks["close"])
         for plugins in self.hooks.values():
             plugins.clear()
+        self.scheduler.state.record_transitions(False)
         for name, hook in closing:
             await self._await(name, "close", hook)
         if self._tasks:
@@ -256,15 +259,10 @@ class SchedulerPluginHooks:
 
     def notify_transitions(self) -> None:
         """Call every plugin's ``transition`` with the transitions since the last call."""
-        state = self.scheduler.state
-        entries, lost = state.transitions_since(self._mark)
-        self._mark = state.transition_counter
-        if lost:
-            logger.warning("%d transitions in one stimulus were more than the transition "
-                           "log holds; scheduler plugins were not told of them", lost)
+        entries = self.scheduler.state.take_transitions()
         for name, transition in list(self.watchers):
             try:
-                for key, start, finish, stimulus_id, _ in entries:
+                for key, start, finish, stimulus_id in entries:
                     transition(key, start, finish, stimulus_id=stimulus_id)
             except Exception:
                 logger.exception("scheduler plugin %r failed in transition", name)

@@ -587,3 +587,18 @@ def test_every_missing_data_of_a_stimulus_goes_before_its_reschedules():
     w.compute_tasks([compute("D", {k: [A] for k in ("k1", "k2", "k3")})], "s1")
     ops = [ins.msg["op"] for ins in w.fetch_failed(A, ["k1", "k2", "k3"], "s2")]
     assert ops == ["missing-data"] * 3 + ["reschedule"]
+
+
+def test_recorded_transitions_are_taken_in_order_only_while_recording():
+    w = core()
+    w.scheduler_messages([compute("x")], "s1")
+    assert w.take_transitions() == []  # off: nothing recorded
+    w.record_transitions(True)
+    w.scheduler_messages([compute("y")], "s2")
+    run(w, "y", 1)
+    assert w.take_transitions() == [
+        ("y", "released", "ready", "compute-y"), ("y", "ready", "executing", "s2"),
+        ("y", "executing", "memory", "done-y")]
+    w.record_transitions(False)
+    run(w, "x", 1)
+    assert w.take_transitions() == []
