@@ -103,12 +103,14 @@ def test_bad_puts_are_refused_and_change_nothing(fields, error):
 
 
 def test_the_shared_limits_on_total_bytes_and_names_apply():
-    s = Store(max_total_bytes=10, max_names=2)
+    s = Store(max_total_bytes=10)
     s.put("c1", a=(b"x" * 6, []))
     effects = s.put("c1", b=(b"y" * 6, []))
     assert "does not fit" in results(effects)[0]
     effects = s.put("c1", b=(b"y" * 3, []), c=(b"z" * 3, []))  # each fits, not both
     assert "(6 bytes) do not fit" in results(effects)[0]
+    s = Store(max_names=2)
+    s.put("c1", a=(b"x", []))
     s.put("c1", b=(b"y", []))
     effects = s.put("c1", c=(b"z", []))
     assert "datasets" in results(effects)[0] and "most it may" in results(effects)[0]
