@@ -192,6 +192,7 @@ class SchedulerPluginHooks:
         #: plugins with a transition hook; non-empty: the scheduler reads transitions
         self.watchers: list = self.hooks["transition"]
         self._tasks: set = set()
+        self._failures: dict = {}  # name -> transition calls that raised
 
     def add(self, plugin, name=None, idempotent: bool = False) -> None:
         """Install ``plugin``; ``name`` defaults to its ``name`` attribute, else its class
@@ -261,11 +262,14 @@ class SchedulerPluginHooks:
         """Call every plugin's ``transition`` with the transitions since the last call."""
         entries = self.scheduler.state.take_transitions()
         for name, transition in list(self.watchers):
-            try:
-                for key, start, finish, stimulus_id in entries:
+            for key, start, finish, stimulus_id in entries:
+                try:
                     transition(key, start, finish, stimulus_id=stimulus_id)
-            except Exception:
-                logger.exception("scheduler plugin %r failed in transition", name)
+                except Exception:
+                    failures = self._failures[name] = self._failures.get(name, 0) + 1
+                    if failures == 1 or failures % 1000 == 0:
+                        logger.exception("scheduler plugin %r failed in transition (%d "
+                                         "failures so far)", name, failures)
 
     def _call(self, name: str, hook: str, method, *args, **kwargs) -> None:
         try:
