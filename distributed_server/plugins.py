@@ -359,14 +359,20 @@ class WorkerPluginHost:
 
     def notify_transitions(self) -> None:
         """Call each plugin's ``transition`` with the transitions since the last call."""
-        entries = self.worker.state.take_transitions()
-        for name, transition in list(self.watchers.items()):
-            for key, start, finish, stimulus_id in entries:
-                try:
-                    transition(key, start, finish, stimulus_id=stimulus_id)
-                except Exception:
-                    failures = self._failures[name] = self._failures.get(name, 0) + 1
-                    if failures == 1 or failures % 1000 == 0:
-                        logger.exception("worker %s: plugin %r failed in transition (%d "
-                                         "failures so far)", self.worker.address, name,
-                                         failures)
+        tell_transitions(list(self.watchers.items()), self.worker.state.take_transitions(),
+                         self._failures, f"worker {self.worker.address}: plugin")
+
+
+def tell_transitions(watchers: list, entries: list, failures: dict, who: str) -> None:
+    """Call each ``(name, transition)`` of ``watchers`` with every ``(key, start, finish,
+    stimulus_id)`` of ``entries``. A call that raises is counted in ``failures[name]``
+    and logged (``who`` names the plugin's kind) the first and every 1,000th time."""
+    for name, transition in watchers:
+        for key, start, finish, stimulus_id in entries:
+            try:
+                transition(key, start, finish, stimulus_id=stimulus_id)
+            except Exception:
+                count = failures[name] = failures.get(name, 0) + 1
+                if count == 1 or count % 1000 == 0:
+                    logger.exception("%s %r failed in transition (%d failures so far)", who,
+                                     name, count)

@@ -33,7 +33,14 @@ import uuid
 
 from .comm import Blob, CommClosedError, bounded_repr
 from .introspection import MAX_TIMEOUT
-from .plugins import BLOB_MIN_BYTES, MAX_PLUGIN_BYTES, defined_by, has_own_hook, check_plugin_name
+from .plugins import (
+    BLOB_MIN_BYTES,
+    MAX_PLUGIN_BYTES,
+    check_plugin_name,
+    defined_by,
+    has_own_hook,
+    tell_transitions,
+)
 
 __all__ = ["MAX_WORKER_PLUGINS", "SchedulerPluginHooks", "WorkerPluginRegistry"]
 
@@ -260,16 +267,8 @@ class SchedulerPluginHooks:
 
     def notify_transitions(self) -> None:
         """Call every plugin's ``transition`` with the transitions since the last call."""
-        entries = self.scheduler.state.take_transitions()
-        for name, transition in list(self.watchers):
-            for key, start, finish, stimulus_id in entries:
-                try:
-                    transition(key, start, finish, stimulus_id=stimulus_id)
-                except Exception:
-                    failures = self._failures[name] = self._failures.get(name, 0) + 1
-                    if failures == 1 or failures % 1000 == 0:
-                        logger.exception("scheduler plugin %r failed in transition (%d "
-                                         "failures so far)", name, failures)
+        tell_transitions(list(self.watchers), self.scheduler.state.take_transitions(),
+                         self._failures, "scheduler plugin")
 
     def _call(self, name: str, hook: str, method, *args, **kwargs) -> None:
         try:

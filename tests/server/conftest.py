@@ -1,5 +1,6 @@
 """Fixtures and helpers shared by the server tests."""
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -264,6 +265,19 @@ class Processes:
                 proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+@contextlib.contextmanager
+def one_nanny_cluster(directory, *nanny_args, scheduler_args=()):
+    """A validating scheduler and one nanny (``dcore worker ADDRESS NANNY_ARGS``); at the
+    end both stop, and the scheduler's log must hold no ERROR line."""
+    processes = Processes(directory, scheduler_args)
+    try:
+        processes.nanny(*nanny_args)
+        yield processes
+    finally:
+        processes.close()
+    processes.assert_no_errors()
 
 
 def children(proc) -> list:

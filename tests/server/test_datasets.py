@@ -18,7 +18,7 @@ import pytest
 from distributed_server import Client
 from distributed_server.futures import SchedulerError
 from distributed_server.primitives import MAX_VALUE_BYTES
-from server_helpers import Processes, wait_for
+from server_helpers import one_nanny_cluster, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -31,13 +31,8 @@ def inc(x):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A validating scheduler and one nanny of one worker with two threads."""
-    processes = Processes(tmp_path_factory.mktemp("datasets"))
-    try:
-        processes.nanny("--nthreads", "2")
+    with one_nanny_cluster(tmp_path_factory.mktemp("datasets"), "--nthreads", "2") as processes:
         yield processes
-    finally:
-        processes.close()
-    processes.assert_no_errors()
 
 
 def connect(cluster) -> Client:

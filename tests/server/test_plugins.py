@@ -17,7 +17,7 @@ import pytest
 from distributed_server import Client, SchedulerPlugin, WorkerPlugin, get_worker
 from distributed_server.futures import SchedulerError
 from distributed_server.plugins import NannyPluginRefused, SchedulerPluginRefused
-from server_helpers import Processes, wait_for
+from server_helpers import one_nanny_cluster, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -66,13 +66,8 @@ class NotAPlugin:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A validating scheduler and one nanny of one worker with two threads."""
-    processes = Processes(tmp_path_factory.mktemp("plugins"))
-    try:
-        processes.nanny("--nthreads", "2")
+    with one_nanny_cluster(tmp_path_factory.mktemp("plugins"), "--nthreads", "2") as processes:
         yield processes
-    finally:
-        processes.close()
-    processes.assert_no_errors()
 
 
 @pytest.fixture
@@ -228,10 +223,9 @@ def events(path) -> list:
 def test_a_scheduler_plugin_from_a_preload_file_sees_the_scheduler(tmp_path):
     preload = tmp_path / "recorder_preload.py"
     preload.write_text(textwrap.dedent(PRELOAD))
-    processes = Processes(tmp_path, scheduler_args=["--preload", str(preload)])
     path = tmp_path / "events.jsonl"
-    try:
-        processes.nanny("--nthreads", "1")
+    with one_nanny_cluster(tmp_path, "--nthreads", "1",
+                           scheduler_args=["--preload", str(preload)]) as processes:
         with Client(processes.address, security=processes.security,
                     set_as_default=False) as client:
             client.wait_for_workers(1, timeout=30)
@@ -244,8 +238,6 @@ def test_a_scheduler_plugin_from_a_preload_file_sees_the_scheduler(tmp_path):
         wait_for(lambda: len([e for e in events(path) if e[0] == "add_worker"]) == 2)
         processes.procs[-1].terminate()  # that nanny and its worker leave
         wait_for(lambda: [e for e in events(path) if e[0] == "remove_worker"])
-    finally:
-        processes.close()
     seen = events(path)
     assert seen[0] == ["start", processes.address]
     assert ["add_worker", worker] in seen and ["add_client", client_id] in seen
@@ -259,4 +251,39 @@ def test_a_scheduler_plugin_from_a_preload_file_sees_the_scheduler(tmp_path):
     removed = [e[1] for e in seen if e[0] == "remove_worker"]
     assert removed[0] == second[0] and set(removed) <= {worker, *second}
     assert seen[-1] == ["close"], seen[-5:]  # and no hook after it
-    processes.assert_no_errors()
+
+
+def test_a_scheduler_plugin_that_raises_is_logged_and_the_others_still_hear(caplog):
+    from types import SimpleNamespace
+
+    from distributed_core import SchedulerState
+    from distributed_server.scheduler_plugins import SchedulerPluginHooks
+
+    class Broken(SchedulerPlugin):
+        def transition(self, key, start, finish, **kwargs):
+            raise RuntimeError("broken on purpose")
+
+    class Quiet(SchedulerPlugin):
+        """Defines no transition: the state machine records nothing for it."""
+
+    heard = []
+    scheduler = SimpleNamespace(state=SchedulerState(validate=True), address="")
+    hooks = SchedulerPluginHooks(scheduler)
+    hooks.add(Quiet(), name="quiet")
+    assert not hooks.watchers
+    hooks.add(Broken(), name="broken")
+    hooks.add(type("Ear", (SchedulerPlugin,), {
+        "transition": lambda self, *args, **kwargs: heard.append(args)})(), name="ear")
+    state = scheduler.state
+    state.add_worker("tcp://w:1", 1, "join")
+    state.update_graph("c", [{"key": "x", "spec": b"s"}], ["x"], "graph")
+    with caplog.at_level("ERROR"):
+        hooks.notify_transitions()
+    assert heard == [("x", "released", "waiting"), ("x", "waiting", "processing")]
+    assert "'broken' failed in transition (1 failures so far)" in caplog.text
+    assert len(caplog.records) == 1  # the first failure (then every 1,000th)
+    hooks.remove("broken")
+    hooks.remove("ear")
+    state.task_finished("tcp://w:1", [{"op": "task-finished", "key": "x", "nbytes": 1}],
+                        "done")
+    assert state.take_transitions() == []  # no watcher left: nothing recorded
