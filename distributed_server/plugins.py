@@ -152,6 +152,16 @@ def check_plugin_name(name) -> str:
     return name
 
 
+def plugin_name(plugin, name=None) -> str:
+    """``name``, else the plugin's ``name`` attribute, else its class name and a uuid
+    (as dask names plugins); checked by `check_plugin_name`."""
+    if name is None:
+        name = getattr(plugin, "name", None)
+        if name is None:
+            name = f"{type(plugin).__name__}-{uuid.uuid4().hex}"
+    return check_plugin_name(name)
+
+
 def worker_plugin_payload(plugin, name=None, nanny=None) -> tuple:
     """``(name, pickled plugin)`` of a worker plugin a client registers; a scheduler or
     nanny plugin, or an object that is no plugin, is refused with what to do instead."""
@@ -176,11 +186,7 @@ def worker_plugin_payload(plugin, name=None, nanny=None) -> tuple:
         raise TypeError(f"{type(plugin).__name__} is not a plugin: a WorkerPlugin has "
                         "setup(worker), teardown(worker) and/or transition(key, start, "
                         "finish, **kwargs) (subclass distributed_server.WorkerPlugin)")
-    if name is None:
-        name = getattr(plugin, "name", None)
-        if name is None:
-            name = f"{type(plugin).__name__}-{uuid.uuid4().hex}"
-    check_plugin_name(name)
+    name = plugin_name(plugin, name)
     data = cloudpickle.dumps(plugin, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) > MAX_PLUGIN_BYTES:
         raise ValueError(f"plugin {name!r} is {len(data):,} bytes pickled; a plugin may have "

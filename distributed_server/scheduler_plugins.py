@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import uuid
 
 from .comm import Blob, CommClosedError, bounded_repr
 from .introspection import MAX_TIMEOUT
@@ -39,6 +38,7 @@ from .plugins import (
     check_plugin_name,
     defined_by,
     has_own_hook,
+    plugin_name,
     tell_transitions,
 )
 
@@ -211,11 +211,7 @@ class SchedulerPluginHooks:
                 callable(getattr(plugin, hook, None)) for hook in _SCHEDULER_HOOKS):
             raise TypeError(f"{type(plugin).__name__} is not a scheduler plugin (subclass "
                             "distributed_server.SchedulerPlugin)")
-        if name is None:
-            name = getattr(plugin, "name", None)
-            if name is None:
-                name = f"{type(plugin).__name__}-{uuid.uuid4().hex}"
-        check_plugin_name(name)
+        name = plugin_name(plugin, name)
         if name in self.plugins:
             if idempotent:
                 return
