@@ -225,8 +225,8 @@ class SchedulerPluginHooks:
                 plugins.append((name, getattr(plugin, hook)))
         logger.info("scheduler plugin %r added", name)
         if self.scheduler.address:  # running: it starts now
-            for plugin_name, start in self.hooks["start"]:
-                if plugin_name == name:
+            for owner, start in self.hooks["start"]:
+                if owner == name:
                     self._call(name, "start", start, self.scheduler)
 
     def remove(self, name: str) -> None:
