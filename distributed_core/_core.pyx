@@ -711,6 +711,8 @@ class SchedulerState:
     _log_entries: list  # ring buffer, flat: key, start, finish, stimulus_id, time, key, ...
     _log_capacity: cython.Py_ssize_t
     _log_next: cython.Py_ssize_t
+    _recording: cython.bint  # record_transitions is on
+    _recorded: list  # flat: key, start, finish, stimulus_id, key, ...
     transition_counter: cython.Py_ssize_t
     stimulus_counter: cython.Py_ssize_t  # stimuli that were taken (not refused)
     _state_counts: cython.Py_ssize_t[8]  # as TaskPrefix.counts, over all tasks
@@ -761,6 +763,8 @@ class SchedulerState:
         self._log_entries = []
         self._log_capacity = transition_log_length
         self._log_next = 0
+        self._recording = False
+        self._recorded = []
         self.transition_counter = 0
         self.stimulus_counter = 0
         if not cython.compiled:  # compiled: C arrays, zeroed with the object
@@ -1551,6 +1555,21 @@ class SchedulerState:
         entries = [tuple(flat[i:i + _LOG_FIELDS]) for i in range(0, len(flat), _LOG_FIELDS)]
         return entries[self._log_next:] + entries[:self._log_next]
 
+    def record_transitions(self, on: bool) -> None:
+        """Start (True) or stop recording every transition for `take_transitions`: what a
+        server turns on while a plugin wants to be told of transitions. Unlike the
+        bounded `transition_log`, nothing is dropped; stopping discards what was not
+        taken."""
+        self._recording = bool(on)
+        self._recorded = []
+
+    def take_transitions(self) -> list:
+        """The transitions recorded since the last call, oldest first: ``(key, start,
+        finish, stimulus_id)`` each (none unless `record_transitions` is on)."""
+        flat = self._recorded
+        self._recorded = []
+        return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
+
     def clear_transition_log(self) -> None:
         """Forget the logged transitions (the counter keeps counting)."""
         self._log_entries = []
@@ -1733,6 +1752,8 @@ class SchedulerState:
         if ts.state != start:
             self._count_move(ts, start)
             self.transition_counter += 1
+            if self._recording:
+                self._recorded.extend((ts.key, start, ts.state, self._stimulus_id))
             if self._log_capacity <= 0:
                 return
             # Flat, not a tuple an entry: 40 bytes a transition instead of 88.

@@ -414,6 +414,8 @@ class WorkerCore:
     _log_entries: list
     _log_capacity: cython.Py_ssize_t
     _log_next: cython.Py_ssize_t
+    _recording: cython.bint  # record_transitions is on
+    _recorded: list  # flat: key, start, finish, stimulus_id, key, ...
     _recs: dict
     _instructions: list
     _reschedules: list  # reschedule messages of this stimulus: sent after the rest
@@ -475,6 +477,8 @@ class WorkerCore:
         self._log_entries = []
         self._log_capacity = transition_log_length
         self._log_next = 0
+        self._recording = False
+        self._recorded = []
         self._recs = {}
         self._instructions = []
         self._reschedules = []
@@ -999,6 +1003,21 @@ class WorkerCore:
         entries = [tuple(flat[i:i + _LOG_FIELDS]) for i in range(0, len(flat), _LOG_FIELDS)]
         return entries[self._log_next:] + entries[:self._log_next]
 
+    def record_transitions(self, on: bool) -> None:
+        """Start (True) or stop recording every transition for `take_transitions`: what a
+        server turns on while a plugin wants to be told of transitions. Unlike the
+        bounded `transition_log`, nothing is dropped; stopping discards what was not
+        taken."""
+        self._recording = bool(on)
+        self._recorded = []
+
+    def take_transitions(self) -> list:
+        """The transitions recorded since the last call, oldest first: ``(key, start,
+        finish, stimulus_id)`` each (none unless `record_transitions` is on)."""
+        flat = self._recorded
+        self._recorded = []
+        return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
+
     def story(self, *keys) -> list:
         """The logged transitions of these keys: ``(key, start, finish, stimulus_id, time)``."""
         wanted = set(keys)
@@ -1132,6 +1151,8 @@ class WorkerCore:
     def _log(self, ts: WorkerTask, start: str) -> None:
         if ts.state != start:
             self.transition_counter += 1
+            if self._recording:
+                self._recorded.extend((ts.key, start, ts.state, self._stimulus_id))
             if self._log_capacity <= 0:
                 return
             log = self._log_entries

@@ -20,6 +20,7 @@ from .client import (
 from .cluster import LocalCluster
 from .introspection import StoryEntry, WorkerSilent
 from .performance_report import performance_report
+from .plugins import SchedulerPlugin, WorkerPlugin
 from .progress import progress
 from .primitives import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
 from .scheduler import Scheduler
@@ -30,8 +31,8 @@ from .worker_client import get_client, get_worker, rejoin, secede, worker_client
 __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "Event", "FIRST_COMPLETED",
     "FIRST_EXCEPTION", "Future", "LocalCluster", "Lock", "Pub", "Queue", "Scheduler",
-    "Security", "SecurityError", "Semaphore", "StoryEntry", "Sub", "Variable", "Worker",
-    "WorkerSilent", "__version__", "as_completed", "fire_and_forget", "futures_of",
+    "SchedulerPlugin", "Security", "SecurityError", "Semaphore", "StoryEntry", "Sub",
+    "Variable", "Worker", "WorkerPlugin", "WorkerSilent", "__version__", "as_completed", "fire_and_forget", "futures_of",
     "get_client", "get_worker", "performance_report", "progress", "rejoin", "secede", "wait",
     "worker_client",
 ]

@@ -88,7 +88,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
-from . import dask_support, logs, remote_run
+from . import dask_support, datasets, logs, plugins, remote_run
 from . import versions as versions_module
 from .client_comm import (  # noqa: F401 - HEARTBEAT_INTERVAL, RELEASE_BATCH_KEYS: re-exported
     HEARTBEAT_INTERVAL,
@@ -1305,6 +1305,55 @@ class Client:
         if result.get("status") == "partial-fail":
             warnings.warn(f"{op}: not done for {list(result['keys'])!r:.300}: not in memory, "
                           "or their copies failed", RuntimeWarning)
+
+    # ------------------------------------------------------------ datasets and plugins
+    # Thin: the logic is in datasets.py and plugins.py.
+
+    def publish_dataset(self, *args, **kwargs):
+        """Publish values by name in the scheduler, for every client: ``(value,
+        name="x")``, ``(collection, ...)`` (named by their ``.name``) or ``(x=value,
+        ...)``; all or none. Futures inside stay alive while published. KeyError if a
+        name is published already, unless ``override=True``."""
+        return datasets.publish_dataset(self, args, kwargs)
+
+    def get_dataset(self, name: str, default=datasets.NO_DEFAULT):
+        """The value published as ``name`` (its Futures now held by this client);
+        ``default`` if there is none, else KeyError."""
+        return datasets.get_dataset(self, name, default)
+
+    def list_datasets(self) -> list:
+        """The names of the published datasets."""
+        return datasets.list_datasets(self)
+
+    def unpublish_dataset(self, name: str) -> None:
+        """Unpublish ``name`` (nothing happens if it is not published, as in dask)."""
+        return datasets.unpublish_dataset(self, name)
+
+    @property
+    def datasets(self) -> datasets.Datasets:
+        """The published datasets as a mutable mapping (`datasets.Datasets`)."""
+        return datasets.Datasets(self)
+
+    def register_plugin(self, plugin, name=None, idempotent: bool = False):
+        """Install a `WorkerPlugin` on every worker, now and on those that join later;
+        ``{address: {"status": "OK"}}``. A setup error is raised here (and the plugin
+        removed). A SchedulerPlugin is refused with how to install it instead
+        (``dcore scheduler --preload``); nanny plugins are not supported."""
+        return plugins.register_worker_plugin(self, plugin, name, idempotent)
+
+    def register_worker_plugin(self, plugin=None, name=None, nanny=None):
+        """dask's older name for `register_plugin` (worker plugins only)."""
+        if plugin is None:
+            raise TypeError("register_worker_plugin needs a plugin")
+        return plugins.register_worker_plugin(self, plugin, name, nanny=nanny)
+
+    def unregister_worker_plugin(self, name: str, nanny=None):
+        """Tear the worker plugin ``name`` down on every worker and forget it
+        (ValueError if there is none)."""
+        if nanny:
+            raise plugins.NannyPluginRefused("nanny plugins are not supported by "
+                                             "distributed-core")
+        return plugins.unregister_worker_plugin(self, name)
 
 
 def _time_bound(value, name: str) -> float | None:

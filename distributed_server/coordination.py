@@ -238,6 +238,10 @@ def _wire(data):
     return data
 
 
+#: For stores that extend `Coordination` (`Coordination.extend`): the same input checks.
+check_reqid, check_name, wire_value, refuse = _reqid, _name, _wire, _fail
+
+
 # ---------------------------------------------------------------------------- the state
 
 
@@ -267,6 +271,7 @@ class Coordination:
         self._timed = 0  # active waiters with a deadline
         self._effects: list = []
         self._before: dict = {}  # key -> its count in `held` before this call
+        self._extra_stores: list = []  # callables yielding the values of extensions
         self._handlers = {
             "variable-set": self._variable_set,
             "variable-get": self._variable_get,
@@ -291,6 +296,47 @@ class Coordination:
             "value-received": self._value_received,
             "abandon-request": self._abandon_request,
         }
+
+    # ------------------------------------------------------------ extensions
+
+    def extend(self, handlers: dict, stored_values: Callable) -> None:
+        """Add the ops of another store of values kept with this machinery (published
+        datasets: `distributed_server.datasets`). ``handlers``: op -> ``handler(client,
+        msg, now)``, raising `CoordinationError` to refuse before changing anything;
+        ``stored_values()`` yields every `Value` the store holds (so that validation,
+        ``keys_lost`` and the key holds count them)."""
+        self._handlers.update(handlers)
+        self._extra_stores.append(stored_values)
+
+    def checked_value(self, msg: dict, copies: int = 1, freed: int = 0) -> Value:
+        """The ``value`` and ``keys`` of ``msg`` as a `Value`, checked against the limits
+        (`CoordinationError` otherwise)."""
+        return self._value(msg, copies, freed)
+
+    def check_room(self, table: dict, name: str, kind: str) -> None:
+        """Refuse a new ``name`` in ``table`` once it holds ``max_names`` names."""
+        self._check_room(table, name, kind)
+
+    def check_can_receive(self, client: str) -> None:
+        """Refuse to hand ``client`` a value while it has too many unconfirmed ones."""
+        self._check_can_receive(client)
+
+    def retain(self, value: Value) -> None:
+        """An extension stores ``value`` (once more): its bytes and keys count."""
+        self._retain(value)
+
+    def release(self, value: Value) -> None:
+        """An extension no longer stores one copy of ``value``."""
+        self._release(value)
+
+    def reply(self, client: str, reqid: int, result) -> None:
+        """Answer request ``reqid`` of ``client`` (sent with this call's effects)."""
+        self._reply(client, reqid, result)
+
+    def hand_over(self, client: str, values: list, result: dict) -> dict:
+        """``result`` carrying ``values`` to ``client``; their keys stay held until it
+        confirms receipt (``value-received``)."""
+        return self._hand_over(client, values, result)
 
     # ------------------------------------------------------------ entry points
 
@@ -473,6 +519,8 @@ class Coordination:
 
     def _stored_values(self):
         yield from self.variables.values()
+        for stored_values in self._extra_stores:
+            yield from stored_values()
         for queue in self.queues.values():
             yield from queue.items
             for waiter in queue.putters.values():

@@ -54,10 +54,10 @@ _sub_ids = itertools.count()
 # ---------------------------------------------------------------------------- values
 
 
-def dumps_value(value, where: str) -> tuple:
+def dumps_value(value, where: str, holder: str = "a primitive") -> tuple:
     """``(bytes, keys)``: ``value`` pickled, and the keys of the Futures inside it.
 
-    Raises ValueError if the pickle is larger than a primitive may hold."""
+    Raises ValueError if the pickle is larger than ``holder`` may hold."""
     keys: list = []
     token = _pickled_keys.set(keys)
     try:
@@ -65,13 +65,13 @@ def dumps_value(value, where: str) -> tuple:
     finally:
         _pickled_keys.reset(token)
     if len(data) > MAX_VALUE_BYTES:
-        raise ValueError(f"{where}: the value is {len(data):,} bytes pickled; a primitive "
+        raise ValueError(f"{where}: the value is {len(data):,} bytes pickled; {holder} "
                          f"holds at most {MAX_VALUE_BYTES:,} bytes per value (share large "
                          "data as a Future: scatter it, then put the Future in)")
     keys = list(dict.fromkeys(keys))
     if len(keys) > MAX_KEYS_PER_VALUE:
-        raise ValueError(f"{where}: the value holds Futures of {len(keys):,} keys; a "
-                         f"primitive's value may hold at most {MAX_KEYS_PER_VALUE:,}")
+        raise ValueError(f"{where}: the value holds Futures of {len(keys):,} keys; "
+                         f"{holder} may hold at most {MAX_KEYS_PER_VALUE:,} per value")
     return (Blob(data) if len(data) >= BLOB_MIN_BYTES else data), keys
 
 

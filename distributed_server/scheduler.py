@@ -46,6 +46,8 @@ from . import config, introspection, logs
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
 from .coordination import COORDINATION_CLIENT, OPS as COORDINATION_OPS
 from .coordination import Coordination, CoordinationLimits
+from .dataset_store import OPS as DATASET_OPS, DatasetStore
+from .scheduler_plugins import PluginRequestError, SchedulerPluginHooks, WorkerPluginRegistry
 from .loop_lag import LoopLagMonitor
 from .retirement import OPS as REPLICA_OPS
 from .retirement import ReplicaMover
@@ -197,12 +199,20 @@ class Scheduler:
             "scheduler-logs": self._scheduler_logs,
             "worker-logs": self._worker_logs,
             "task-stream": self._task_stream,
+            "register-worker-plugin": self._register_worker_plugin,
+            "unregister-worker-plugin": self._unregister_worker_plugin,
         }
+        self.worker_plugins = WorkerPluginRegistry(self.worker_comms, self._worker_requests)
+        self._plugin_hooks = SchedulerPluginHooks(self)
+        #: name -> scheduler plugin added with `add_plugin`
+        self.plugins = self._plugin_hooks.plugins
+        self._plugin_watchers = self._plugin_hooks.watchers  # non-empty: tell transitions
         # (the core registers the pseudo-client COORDINATION_CLIENT at its first want)
         self.coordination = Coordination(self._task_exists, coordination_limits)
         self._coordination_timer: asyncio.TimerHandle | None = None
         self._coordination_when = 0.0
-        for op in COORDINATION_OPS:
+        self.datasets = DatasetStore(self.coordination)  # published datasets
+        for op in COORDINATION_OPS | DATASET_OPS:
             self._client_handlers[op] = self._coordinate
         #: retire_workers, replicate, rebalance (retirement.py)
         self.replicas = ReplicaMover(self)
@@ -225,6 +235,7 @@ class Scheduler:
         logs.install_buffer()
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
+        await self._plugin_hooks.start()
         if self.dashboard_address is not None:
             await self._start_dashboard()
         return self
@@ -251,6 +262,7 @@ class Scheduler:
         if self._closed.is_set():
             return
         self._closed.set()
+        await self._plugin_hooks.close()
         if self._ttl_task is not None:
             self._ttl_task.cancel()
         self.loop_lag.stop()
@@ -319,8 +331,11 @@ class Scheduler:
         self._registrations += 1
         self._joined[address] = self._registrations
         self._workers_changed.set()
+        self.worker_plugins.worker_joined(comm)  # set up before its first task
         self._apply(messages)  # only now: they may be for this worker
         logger.info("worker %s joined (%d threads, name %r)", address, nthreads, name)
+        if self._plugin_hooks.plugins:
+            self._plugin_hooks.call("add_worker", worker=address)
         try:
             await self._read_loop(comm, address, self._handle_worker_batch)
         finally:
@@ -337,6 +352,9 @@ class Scheduler:
             self._workers_changed.set()
             self.replicas.changed()
             logger.info("worker %s left", address)
+            if self._plugin_hooks.plugins:
+                self._plugin_hooks.call("remove_worker", worker=address,
+                                        stimulus_id=f"remove-worker-{address}")
 
     async def _let_go_of_departed(self, address: str) -> None:
         """The results a worker that left still held, ``slice_keys`` a stimulus,
@@ -395,6 +413,8 @@ class Scheduler:
         self.client_last_seen[client_id] = time.monotonic()
         self._stimulus(client_id, "add-client", self.state.add_client, client_id)
         logger.info("client %s connected from %s", client_id, comm.peer_address)
+        if self._plugin_hooks.plugins:
+            self._plugin_hooks.call("add_client", client=client_id)
         try:
             await self._read_loop(comm, client_id, self._handle_client_batch)
         finally:
@@ -403,6 +423,8 @@ class Scheduler:
             self._apply_coordination(self.coordination.client_gone(client_id))
             self._stimulus(client_id, "remove-client", self.state.remove_client, client_id)
             logger.info("client %s left", client_id)
+            if self._plugin_hooks.plugins:
+                self._plugin_hooks.call("remove_client", client=client_id)
 
     async def _read_loop(self, comm, peer: str, handle) -> None:
         """Read batches until the peer leaves; a bad message closes this comm only."""
@@ -554,10 +576,19 @@ class Scheduler:
     def _update_graph(self, client_id: str, msg: dict) -> None:
         started = time.perf_counter()
         tasks = msg.get("tasks")
+        taken = self.state.stimulus_counter
         if self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
                           tasks, msg.get("keys")):
             self.graph_updates += 1
             self.graph_tasks += len(tasks)
+            # (a refused graph is answered, not counted: the plugins are not told of it)
+            if self._plugin_hooks.hooks["update_graph"] and self.state.stimulus_counter > taken:
+                self._plugin_hooks.call(
+                    "update_graph", client=client_id, keys=set(msg.get("keys") or ()),
+                    tasks=[task["key"] for task in tasks],
+                    dependencies={task["key"]: list(task.get("deps") or ())
+                                  for task in tasks},
+                    annotations={}, priority={}, stimulus_id=f"update-graph-{client_id}")
         self.graph_intake_seconds += time.perf_counter() - started
 
     def _update_data(self, client_id: str, msg: dict) -> None:
@@ -850,6 +881,54 @@ class Scheduler:
                 "clients": len(self.client_comms), "compiled": COMPILED,
                 "version": __version__}
 
+    # ------------------------------------------------------------------ plugins
+
+    def add_plugin(self, plugin, name=None, idempotent: bool = False) -> None:
+        """Install a scheduler plugin (`distributed_server.SchedulerPlugin`: hooks
+        ``start``, ``close``, ``add_worker``, ``remove_worker``, ``add_client``,
+        ``remove_client``, ``update_graph``, ``transition``), in this process: from a
+        module given to ``dcore scheduler --preload`` (its ``dcore_setup(scheduler)``).
+        ``name`` defaults to the plugin's ``name`` attribute; a plugin of the same name
+        is replaced, unless ``idempotent``. On a running scheduler ``start`` runs now."""
+        self._plugin_hooks.add(plugin, name, idempotent)
+
+    def remove_plugin(self, name: str) -> None:
+        """Remove the scheduler plugin ``name`` (KeyError if there is none)."""
+        self._plugin_hooks.remove(name)
+
+    def _register_worker_plugin(self, client_id: str, msg: dict) -> None:
+        """``register-worker-plugin {name, plugin, idempotent, timeout?, reqid}``: keep the
+        plugin's bytes, install it on every worker (`WorkerPluginRegistry`)."""
+        reqid = msg.get("reqid")
+        try:
+            name, data, idempotent, timeout = self.worker_plugins.check_register(msg)
+        except PluginRequestError as exc:
+            logger.warning("refused 'register-worker-plugin' from %s: %s", client_id, exc)
+            self._reply_failure(client_id, reqid, str(exc))
+            return
+        if idempotent and name in self.worker_plugins.plugins:
+            self._reply(client_id, msg, {"status": "OK", "workers": {}, "silent": {}})
+            return
+        self._in_background(self._answer_plugin_request(
+            client_id, reqid, self.worker_plugins.register(name, data, timeout)))
+
+    def _unregister_worker_plugin(self, client_id: str, msg: dict) -> None:
+        """``unregister-worker-plugin {name, timeout?, reqid}``: tear it down everywhere."""
+        reqid = msg.get("reqid")
+        try:
+            name, timeout = self.worker_plugins.check_unregister(msg)
+        except PluginRequestError as exc:
+            self._reply_failure(client_id, reqid, str(exc))
+            return
+        if name not in self.worker_plugins.plugins:
+            self._reply(client_id, msg, {"status": "missing"})
+            return
+        self._in_background(self._answer_plugin_request(
+            client_id, reqid, self.worker_plugins.unregister(name, timeout)))
+
+    async def _answer_plugin_request(self, client_id: str, reqid, request) -> None:
+        self._reply(client_id, {"reqid": reqid}, await request)
+
     def _in_background(self, coro) -> None:
         """Run ``coro`` as a task the scheduler keeps until it is done; a failure is a bug
         (logged), never the client's."""
@@ -1011,6 +1090,8 @@ class Scheduler:
 
     def _apply(self, messages: tuple) -> None:
         """Send what a stimulus returned to the clients and workers it names."""
+        if self._plugin_watchers:  # a scheduler plugin's transition hook
+            self._plugin_hooks.notify_transitions()
         client_msgs, worker_msgs = messages
         for client_id, msgs in client_msgs.items():
             if client_id == FIRE_AND_FORGET:

@@ -57,6 +57,7 @@ the scheduler's worker TTL, 300 s by default as dask's.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import os
@@ -101,6 +102,7 @@ from .memory import (
 )
 from .nanny import MEMORY_LIMIT_ENV
 from .peer_pool import PeerPool
+from .plugins import WorkerPluginHost, check_plugin_name
 from .remote_run import run_packed_call
 from .security import Security, check_listen_security
 from .versions import essential
@@ -293,6 +295,10 @@ class Worker:
         self._peer_pool = PeerPool(self.security, MAX_IDLE_PEER_COMMS)  # fetches' comms
         self._served: set = set()  # comms of peers we answer
         self._background: set = set()  # fetch tasks (one per peer per burst)
+        #: name -> plugin object installed by Client.register_plugin (plugins.py)
+        self.plugins: dict = {}
+        self._plugin_host = WorkerPluginHost(self)
+        self._plugin_watchers = self._plugin_host.watchers  # non-empty: tell transitions
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener = None
@@ -376,6 +382,7 @@ class Worker:
         if self._task_client is not None:
             await asyncio.to_thread(self._task_client.close)
         self._stimulus(self.state.scheduler_lost, self._sid("worker-closing"))
+        await self._plugin_host.close()
         if isinstance(self.data, SpillBuffer):
             self.data.close()
         self.data.clear()
@@ -527,6 +534,8 @@ class Worker:
 
     def _apply(self, instructions: list) -> None:
         """Carry out the machine's instructions, in order."""
+        if self._plugin_watchers:  # a plugin's transition method
+            self._plugin_host.notify_transitions()
         data = self.data
         discard = self._discard_data
         send = self._send
@@ -629,11 +638,41 @@ class Worker:
                 self._close_requested = True
             elif op == "story" or op == "logs":
                 self._send(self._introspection_reply(msg))
+            elif op == "plugin-add" or op == "plugin-remove":
+                self._plugin_message(msg)
             elif op != "heartbeat":  # the scheduler's answer to ours: it is alive
                 logger.warning("worker %s ignores unknown operation %r from the scheduler",
                                self.address, op)
         if tasks:
             self._scheduler_messages(tasks)
+
+    def _plugin_message(self, msg: dict) -> None:
+        """``plugin-add {name, plugin, reqid?}`` / ``plugin-remove {name, reqid?}``: install
+        or remove a worker plugin (plugins.py) and answer with the outcome; a plugin
+        whose hooks are plain functions is set up before the tasks that follow it."""
+        reqid = msg.get("reqid")
+        try:
+            name = check_plugin_name(msg.get("name"))
+            data = msg.get("plugin")
+            if msg["op"] == "plugin-add" and not isinstance(data, (bytes, memoryview)):
+                raise TypeError("plugin-add needs the plugin's pickle as bytes")
+        except TypeError as exc:
+            self._send({"op": "reply", "reqid": reqid, "error": str(exc)})
+            return
+        if msg["op"] == "plugin-add":
+            outcome = self._plugin_host.add(name, data)
+        else:
+            outcome = self._plugin_host.remove(name)
+        if not inspect.isawaitable(outcome):
+            self._send({"op": "reply", "reqid": reqid, "result": outcome})
+            return
+
+        async def answer_when_done():
+            self._send({"op": "reply", "reqid": reqid, "result": await outcome})
+
+        task = self._loop.create_task(answer_when_done())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _introspection_reply(self, msg: dict) -> dict:
         """The answer to the scheduler's ``story {keys, reqid}`` (this worker's transitions

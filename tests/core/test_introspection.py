@@ -158,3 +158,22 @@ def test_nothing_is_kept_after_a_large_graph_is_released():
     for ws in sim.state.workers.values():
         assert (len(ws.has_what), ws.nbytes, len(ws.processing)) == (0, 0, 0)
     assert all(not data for data in sim.data.values())
+
+
+def test_recorded_transitions_are_all_taken_even_past_the_bounded_log():
+    sim = Sim(transition_log_length=5, worker_saturation=float("inf"))
+    sim.add_worker("A", 1)
+    assert sim.state.take_transitions() == []  # off: nothing recorded
+    sim.state.record_transitions(True)
+    sim.submit([task(f"t{i}") for i in range(10)], [f"t{i}" for i in range(10)],
+               stimulus_id="g")
+    taken = sim.state.take_transitions()
+    assert len(taken) == 20 and taken[:2] == [("t0", "released", "waiting", "g"),
+                                              ("t0", "waiting", "processing", "g")]
+    assert {finish for _, _, finish, _ in taken} == {"waiting", "processing"}
+    assert sim.state.take_transitions() == []  # taken once
+    sim.run_all()
+    assert [entry[2] for entry in sim.state.take_transitions()] == ["memory"] * 10
+    sim.state.record_transitions(False)
+    sim.release([f"t{i}" for i in range(10)])
+    assert sim.state.take_transitions() == []

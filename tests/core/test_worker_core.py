@@ -666,3 +666,18 @@ def test_the_scheduler_lost_drops_copies_without_answering():
     w.acquire_replicas({"x": [A]}, "copy")
     assert w.scheduler_lost("lost") == []
     assert w.tasks == {}
+
+
+def test_recorded_transitions_are_taken_in_order_only_while_recording():
+    w = core()
+    w.scheduler_messages([compute("x")], "s1")
+    assert w.take_transitions() == []  # off: nothing recorded
+    w.record_transitions(True)
+    w.scheduler_messages([compute("y")], "s2")
+    run(w, "y", 1)
+    assert w.take_transitions() == [
+        ("y", "released", "ready", "compute-y"), ("y", "ready", "executing", "s2"),
+        ("y", "executing", "memory", "done-y")]
+    w.record_transitions(False)
+    run(w, "x", 1)
+    assert w.take_transitions() == []

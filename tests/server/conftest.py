@@ -1,5 +1,6 @@
 """Fixtures and helpers shared by the server tests."""
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -215,7 +216,7 @@ def write_cert_with_cryptography(cert_path: str, key_path: str) -> None:
 class Processes:
     """A validating scheduler process and the nannies started against it."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, scheduler_args=()):
         self.directory = directory
         self.security = Security(token=new_token())
         env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
@@ -224,7 +225,8 @@ class Processes:
         self.scheduler_log = directory / "scheduler.log"
         self.procs: list = []
         self.scheduler = self.spawn(["scheduler", "--port", "0", "--validate",
-                                     "--log-level", "INFO"], self.scheduler_log)
+                                     "--log-level", "INFO", *scheduler_args],
+                                    self.scheduler_log)
         line = self.scheduler.stdout.readline()
         assert line.startswith("Scheduler at "), (line, self.log())
         self.address = line.split()[2]
@@ -265,17 +267,24 @@ class Processes:
                 proc.stdout.close()
 
 
-def nanny_processes(directory, *nanny_args):
-    """A generator for fixtures: `Processes` in ``directory`` with one nanny (``main``)
-    started with ``nanny_args``; closed after, and then its scheduler log must hold no
-    ERROR line."""
-    processes = Processes(directory)
+@contextlib.contextmanager
+def one_nanny_cluster(directory, *nanny_args, scheduler_args=()):
+    """A validating scheduler and one nanny (``dcore worker ADDRESS NANNY_ARGS``, kept as
+    ``processes.main``); at the end both stop, and the scheduler's log must hold no ERROR
+    line."""
+    processes = Processes(directory, scheduler_args)
     try:
         processes.main = processes.nanny(*nanny_args)
         yield processes
     finally:
         processes.close()
     processes.assert_no_errors()
+
+
+def nanny_processes(directory, *nanny_args):
+    """A generator for fixtures: `one_nanny_cluster` of ``directory``."""
+    with one_nanny_cluster(directory, *nanny_args) as processes:
+        yield processes
 
 
 def nanny_client(processes, n_workers: int):
