@@ -130,13 +130,22 @@ def test_removing_the_last_worker_without_queuing_leaves_tasks_with_no_worker():
 # -- a departure in slices ---------------------------------------------------------------
 
 
-def test_a_worker_holding_many_results_lets_go_of_them_in_slices():
+def departing_with_results(n: int, max_keys: int) -> Sim:
+    """Workers A and B; A computed ``r0`` .. ``r{n-1}`` (10 bytes each), wanted by client
+    c, then left: its first slice of ``max_keys`` results is let go of."""
     sim = two_workers()
-    keys = [f"r{i}" for i in range(5)]
+    keys = [f"r{i}" for i in range(n)]
     sim.submit([task(key, workers=["A"], allow_other_workers=True) for key in keys], keys)
     for key in keys:
         sim.finish(key, nbytes=10)
-    _, worker_msgs = sim.remove_worker("A", max_keys=2)
+    sim.remove_worker("A", max_keys=max_keys)
+    return sim
+
+
+def test_a_worker_holding_many_results_lets_go_of_them_in_slices():
+    sim = departing_with_results(5, max_keys=2)
+    keys = [f"r{i}" for i in range(5)]
+    worker_msgs = sim.log[-1][1]
     assert len(computed(worker_msgs)) == 2 and set(computed(worker_msgs).values()) == {"B"}
     departing = sim.state.departing["A"]
     assert "A" not in sim.state.workers and len(departing.has_what) == 3
@@ -168,12 +177,7 @@ def test_results_that_tasks_still_need_go_in_the_first_slice():
 def test_a_task_never_fetches_from_a_departing_worker():
     """A result only a departing worker still holds is recomputed when a new task needs
     it, instead of sending the task to fetch it from a worker that is gone."""
-    sim = two_workers()
-    keys = [f"r{i}" for i in range(4)]
-    sim.submit([task(key, workers=["A"], allow_other_workers=True) for key in keys], keys)
-    for key in keys:
-        sim.finish(key)
-    sim.remove_worker("A", max_keys=1)
+    sim = departing_with_results(4, max_keys=1)
     held = sorted(ts.key for ts in sim.state.departing["A"].has_what)
     _, worker_msgs = sim.submit([task("use", held[0])], ["use"], client="d")
     assert computed(worker_msgs) == {held[0]: "B"}  # recomputed; Sim checks every who_has
@@ -183,12 +187,7 @@ def test_a_task_never_fetches_from_a_departing_worker():
 
 
 def test_a_worker_back_at_a_departing_address_starts_with_nothing_of_the_old_one():
-    sim = two_workers()
-    keys = [f"r{i}" for i in range(4)]
-    sim.submit([task(key, workers=["A"], allow_other_workers=True) for key in keys], keys)
-    for key in keys:
-        sim.finish(key)
-    sim.remove_worker("A", max_keys=1)
+    sim = departing_with_results(4, max_keys=1)
     sim.add_worker("A", 1)
     assert not sim.state.departing and not sim.state.workers["A"].has_what
 

@@ -335,20 +335,27 @@ def test_client_leaving_releases_its_tasks():
     run(main())
 
 
+async def _holding_many(s, n: int):
+    """Client "big" holding ``n`` tasks that wait on one running task (on a worker that
+    never answers), and client "other": ``(big, other, keys, worker)``."""
+    w = await _worker(s)
+    big, other = await _client(s, "big"), await _client(s, "other")
+    keys = [("held", i) for i in range(n)]
+    big.send({"op": "update-graph", "keys": keys,
+              "tasks": [{"key": "blocker", "spec": b"S"}]
+              + [{"key": k, "spec": b"S", "deps": ["blocker"]} for k in keys]})
+    await _read_op(w, "compute-task")
+    while len(s.state.tasks) < n + 1:
+        await asyncio.sleep(0.01)
+    return big, other, keys, w
+
+
 def test_a_huge_release_is_applied_in_slices_and_others_are_served_meanwhile():
     n = 60_000
 
     async def main():
         async with Scheduler(validate=False) as s:
-            w = await _worker(s)
-            big, other = await _client(s, "big"), await _client(s, "other")
-            keys = [("held", i) for i in range(n)]
-            big.send({"op": "update-graph", "keys": keys,
-                      "tasks": [{"key": "blocker", "spec": b"S"}]
-                      + [{"key": k, "spec": b"S", "deps": ["blocker"]} for k in keys]})
-            await _read_op(w, "compute-task")
-            while len(s.state.tasks) < n + 1:
-                await asyncio.sleep(0.01)
+            big, other, keys, _worker_comm = await _holding_many(s, n)
             big.send({"op": "release-keys", "keys": keys})
             await asyncio.sleep(0.001)
             seen = (await _request(other, "identity"))["n_tasks"]
@@ -364,15 +371,7 @@ def test_a_huge_cancel_is_applied_in_slices_and_answered_once():
 
     async def main():
         async with Scheduler(validate=False) as s:
-            w = await _worker(s)
-            big, other = await _client(s, "big"), await _client(s, "other")
-            keys = [("held", i) for i in range(n)]
-            big.send({"op": "update-graph", "keys": keys,
-                      "tasks": [{"key": "blocker", "spec": b"S"}]
-                      + [{"key": k, "spec": b"S", "deps": ["blocker"]} for k in keys]})
-            await _read_op(w, "compute-task")
-            while len(s.state.tasks) < n + 1:
-                await asyncio.sleep(0.01)
+            big, other, keys, _worker_comm = await _holding_many(s, n)
             big.send({"op": "cancel", "keys": keys, "reqid": 7})
             await asyncio.sleep(0.001)
             seen = (await _request(other, "identity"))["n_tasks"]
