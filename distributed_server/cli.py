@@ -260,9 +260,10 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _security_from(args) -> Security:
-    """Credentials from the flags, else from the environment."""
-    env = Security.from_environment()
+    """Credentials from the flags, else from the environment, else from configuration
+    (dask's ``distributed.comm.tls.*`` keys for this role; ``dcore.comm.token-file``)."""
     tls = (args.tls_ca_file, args.tls_cert, args.tls_key)
+    env = Security.from_environment(role=None if any(tls) else args.command)
     return Security(
         token=None if args.token_file else env.token, token_file=args.token_file,
         **(dict(zip(("tls_ca_file", "tls_cert", "tls_key"), tls)) if any(tls) else

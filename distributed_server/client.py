@@ -293,7 +293,8 @@ class Client:
         self.timeout = timeout
         self.scheduler_timeout = scheduler_timeout
         if security is None and address is not None:
-            security = getattr(address, "security", None) or Security.from_environment()
+            security = getattr(address, "security", None) or Security.from_environment(
+                role="client")
         self.security = security
         self.id = f"{name or 'Client'}-{uuid.uuid4().hex}"
         self.status = _CREATED

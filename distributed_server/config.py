@@ -97,6 +97,9 @@ SETTINGS = {
     "comm.timeouts.connect": ("distributed.comm.timeouts.connect", 10.0, parse_seconds),
     "comm.timeouts.transfer": ("distributed.comm.timeouts.tcp", 30.0, parse_seconds),
     "comm.tls.ca-file": ("distributed.comm.tls.ca-file", None, _path),
+    **{f"comm.tls.{role}.{part}": (f"distributed.comm.tls.{role}.{part}", None, _path)
+       for role in ("client", "scheduler", "worker") for part in ("cert", "key")},
+    "comm.token-file": (None, None, _path),
 }
 
 

@@ -33,6 +33,8 @@ import ssl
 import tempfile
 import weakref
 
+from . import config
+
 __all__ = ["Security", "SecurityError", "check_listen_security", "is_loopback", "new_token",
            "write_tls_files"]
 
@@ -141,16 +143,30 @@ class Security:
         return security
 
     @classmethod
-    def from_environment(cls, environ=None) -> Security:
+    def from_environment(cls, environ=None, role: str | None = None) -> Security:
         """Credentials from ``DCORE_TOKEN`` / ``DCORE_TOKEN_FILE`` and ``DCORE_TLS_*``.
 
         White space around ``DCORE_TOKEN`` is ignored, as in a token file: a value taken
-        from a file (a Kubernetes Secret made with ``--from-file``) ends with a newline."""
+        from a file (a Kubernetes Secret made with ``--from-file``) ends with a newline.
+
+        Reading this process's environment (``environ`` None), what the variables leave
+        unset comes from configuration (config.py): a token file from
+        ``dcore.comm.token-file``; with ``role`` (``"client"``, ``"scheduler"`` or
+        ``"worker"``) and no ``DCORE_TLS_*`` set, TLS from dask's keys as a dask user set
+        them: ``distributed.comm.tls.ca-file`` and ``distributed.comm.tls.<role>.cert`` /
+        ``.key`` (or the same under ``dcore.``). ValueError if only some are set."""
         env = os.environ if environ is None else environ
-        return cls(token=(env.get(_ENV_TOKEN) or "").strip() or None,
-                   token_file=env.get(_ENV_TOKEN_FILE) or None,
-                   tls_ca_file=env.get(_ENV_CA) or None, tls_cert=env.get(_ENV_CERT) or None,
-                   tls_key=env.get(_ENV_KEY) or None)
+        token = (env.get(_ENV_TOKEN) or "").strip() or None
+        token_file = env.get(_ENV_TOKEN_FILE) or None
+        tls = [env.get(_ENV_CA) or None, env.get(_ENV_CERT) or None,
+               env.get(_ENV_KEY) or None]
+        if environ is None:
+            if token is None and token_file is None:
+                token_file = config.get("comm.token-file")
+            if role is not None and not any(tls):
+                tls = _tls_from_configuration(role)
+        return cls(token=token, token_file=token_file, tls_ca_file=tls[0], tls_cert=tls[1],
+                   tls_key=tls[2])
 
     def environment(self) -> dict:
         """The environment variables that give a child process these credentials."""
@@ -338,3 +354,17 @@ def _write(path: str, data: bytes, mode: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def _tls_from_configuration(role: str) -> list:
+    """``[ca_file, cert, key]`` for ``role`` from configuration: all three, or none."""
+    if role not in ("client", "scheduler", "worker"):
+        raise ValueError(f"role must be client, scheduler or worker, not {role!r}")
+    names = ["comm.tls.ca-file", f"comm.tls.{role}.cert", f"comm.tls.{role}.key"]
+    values = [config.get(name) for name in names]
+    if any(values) and not all(values):
+        missing = [f"distributed.{name}" for name, value in zip(names, values) if not value]
+        raise ValueError(f"TLS configuration for the {role} is incomplete: "
+                         f"{', '.join(missing)} not set (a CA file, a certificate and "
+                         f"its key are needed together)")
+    return values

@@ -78,3 +78,53 @@ def test_without_dask_the_environment_is_read_directly(monkeypatch):
     assert config.get("scheduler.allowed-failures") == 5
     assert config.get("worker.memory.target") is None
     assert config.get("worker.memory.pause") == 0.8
+
+
+def test_tls_from_dasks_keys_for_each_role(tmp_path, monkeypatch):
+    """A dask user's TLS settings (``distributed.comm.tls.*``, as dask's environment
+    variables) make a real scheduler and worker speak TLS, and a client configured with
+    ``dask.config`` reaches them; a partial setting is a clear error."""
+    dask_config = pytest.importorskip("dask.config")
+    from distributed_server import Client
+    from distributed_server.security import ENVIRONMENT_VARIABLES, Security, write_tls_files
+
+    files = write_tls_files(str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
+    env["DASK_DISTRIBUTED__COMM__TLS__CA_FILE"] = files["tls_ca_file"]
+    for role in ("scheduler", "worker"):
+        env[f"DASK_DISTRIBUTED__COMM__TLS__{role.upper()}__CERT"] = files["tls_cert"]
+        env[f"DASK_DISTRIBUTED__COMM__TLS__{role.upper()}__KEY"] = files["tls_key"]
+    dcore = [sys.executable, "-m", "distributed_server.cli"]
+    scheduler = subprocess.Popen(dcore + ["scheduler", "--port", "0", "--validate",
+                                          "--no-dashboard"], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        address = scheduler.stdout.readline().split()[2]
+        assert address.startswith("tls://")
+        worker = subprocess.Popen(dcore + ["worker", address, "--no-nanny", "--no-dashboard"],
+                                  env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        for name in ENVIRONMENT_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        with dask_config.set({"distributed.comm.tls.ca-file": files["tls_ca_file"],
+                              "distributed.comm.tls.client.cert": files["tls_cert"],
+                              "distributed.comm.tls.client.key": files["tls_key"]}):
+            assert Security.from_environment(role="client").tls
+            with Client(address, set_as_default=False, timeout=30) as client:
+                client.wait_for_workers(1, timeout=30)
+                assert client.submit(pow, 2, 10).result(timeout=30) == 1024
+        with dask_config.set({"distributed.comm.tls.ca-file": files["tls_ca_file"]}):
+            with pytest.raises(ValueError, match="distributed.comm.tls.client.cert"):
+                Security.from_environment(role="client")
+        partial = {k: v for k, v in env.items() if "SCHEDULER__KEY" not in k}
+        out = subprocess.run(dcore + ["scheduler", "--port", "0"], env=partial, timeout=60,
+                             capture_output=True, text=True)
+        assert out.returncode == 2
+        assert "distributed.comm.tls.scheduler.key not set" in out.stderr
+    finally:
+        for proc in (worker, scheduler):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=20)
+        scheduler.stdout.close()
