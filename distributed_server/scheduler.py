@@ -433,7 +433,7 @@ class Scheduler:
                 # Not bound to a name: a decoded batch (a whole graph, maybe) must not
                 # stay alive while the loop waits for the next one.
                 pending = handle(peer, await comm.read())
-                if pending is not None:  # a client's batch, handled in turns
+                if pending is not None:  # a batch handled in turns
                     await pending
         except ProtocolError as exc:
             logger.warning("closing connection to %s: %s", peer, exc)
@@ -483,8 +483,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ workers
 
-    def _handle_worker_batch(self, address: str, msgs: list) -> None:
+    def _handle_worker_batch(self, address: str, msgs: list):
+        """A worker's batch of messages, in order; one over ``slice_keys`` messages (a
+        worker's reports piled up while the scheduler was busy) in turns of that many,
+        with every other peer served in between."""
         self.last_seen[address] = time.monotonic()
+        if len(msgs) > self.slice_keys:
+            return self._handle_worker_batch_in_turns(address, msgs)
+        self._handle_worker_msgs(address, msgs)
+        return None
+
+    async def _handle_worker_batch_in_turns(self, address: str, msgs: list) -> None:
+        size = self.slice_keys
+        for i in range(0, len(msgs), size):
+            if i:
+                await asyncio.sleep(0)
+            self._handle_worker_msgs(address, msgs[i:i + size])
+
+    def _handle_worker_msgs(self, address: str, msgs: list) -> None:
         finished: list = []
         erred: list = []
         for msg in msgs:

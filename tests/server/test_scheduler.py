@@ -101,6 +101,33 @@ def test_a_batch_of_finished_reports_is_one_stimulus():
     run(main())
 
 
+def test_a_worker_batch_over_a_slice_is_handled_in_turns():
+    """Reports that piled up on a worker (more than ``slice_keys``) are one stimulus per
+    slice, in order, with every other peer served in between."""
+    n = 2_500
+
+    async def main():
+        async with Scheduler(worker_saturation=float("inf")) as s:
+            s.slice_keys = 1_000
+            w, c = await _worker(s), await _client(s)
+            keys = [f"t-{i}" for i in range(n)]
+            c.send({"op": "update-graph", "keys": keys,
+                    "tasks": [{"key": k, "spec": b"S"} for k in keys]})
+            seen = 0
+            while seen < n:
+                seen += sum(m["op"] == "compute-task" for m in await w.read())
+            await w.write([{"op": "task-finished", "key": k, "nbytes": 1} for k in keys])
+            while s.state.task_counts()["memory"] < n:
+                await asyncio.sleep(0.01)
+            stimuli = [sid for key, start, finish, sid, _ in s.state.transition_log
+                       if finish == "memory"]
+            assert len(set(stimuli)) == 3  # 1,000 + 1,000 + 500, in the batch's order
+            firsts = [stimuli.index(sid) for sid in dict.fromkeys(stimuli)]
+            assert firsts == [0, 1_000, 2_000]
+
+    run(main())
+
+
 def test_identity_carries_the_counters_of_the_core():
     async def main():
         async with Scheduler(validate=True) as s:
