@@ -860,9 +860,11 @@ class SchedulerState:
         """A worker left or died: reschedule its tasks, recompute results only it held.
 
         ``max_keys`` (a positive int) lets go of at most that many of its results in this
-        call: the worker stays in ``departing``, a holder of the rest that no task is sent
-        to and no client is pointed at, until calls for its address with
-        ``max_keys`` again have let go of them all. Without it, all go at once."""
+        call: the worker stays in ``departing``, still the holder of the rest, until
+        calls for its address with ``max_keys`` again have let go of them all. No task is
+        sent to fetch from it (a result only it holds is recomputed when a task needs
+        it), and ``who_has`` names it only for results no other worker holds. Without
+        ``max_keys``, all go at once."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(address, "worker address")
         if max_keys is not None and (type(max_keys) is not int
