@@ -15,7 +15,7 @@ Executor threads can make results faster than a reading every `MONITOR_INTERVAL`
 them (a 1-thread worker holds dozens of queued tasks): an `ExecutionGate` counts the
 bytes they produce since the last reading and holds them before their next task once
 that reading plus those bytes pass ``spill`` × limit, until the monitor has looked again
-(and for as long as the worker is paused).
+(and spilled).
 
 Nothing here raises into the worker: a value that cannot be pickled, or a disk that is
 full or failing, keeps the value in RAM (counted, and logged once per minute).
@@ -366,7 +366,8 @@ class MemoryMonitor:
 class ExecutionGate:
     """Holds executor threads before their next task while the results they made since
     the monitor's last look could push memory past ``threshold`` bytes, or while the
-    worker must not start tasks (paused, or the monitor still spilling).
+    monitor is still spilling. Not while the worker is paused: jobs already queued hold
+    their inputs, and only running them frees that memory (the pause stops new jobs).
 
     Threads call `produced` after each result (with its size) and `wait` before each
     task; the first result that crosses the threshold closes the gate and calls
@@ -404,7 +405,7 @@ class ExecutionGate:
 
     def checked(self, estimate: int, hold: bool) -> None:
         """From the event loop, after the monitor looked: its ``estimate`` of process
-        memory, and whether threads must keep holding (paused or still spilling)."""
+        memory, and whether threads must keep holding (the monitor is still spilling)."""
         self._base = estimate
         self._produced = 0
         if hold:

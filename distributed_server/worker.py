@@ -463,7 +463,9 @@ class Worker:
                            100 * self.memory_pause_fraction, _mib(limit))
             self.unpause()
         if self._gate is not None:
-            self._gate.checked(self.memory.estimate, self.memory.paused or self.memory.behind)
+            # Not held while paused: the jobs already queued hold their inputs, and only
+            # running them frees that memory (a pause stops new jobs, in the core).
+            self._gate.checked(self.memory.estimate, self.memory.behind)
         if self.status == RUNNING_STATUS:
             delay = 0.001 if self.memory.behind else MONITOR_INTERVAL
             self._memory_handle = self._loop.call_later(delay, self._check_memory)

@@ -171,7 +171,7 @@ def test_the_gate_holds_threads_whose_results_outrun_the_monitor():
     assert gate.is_open
     gate.produced(10)
     assert not gate.is_open and requests == [1, 1]
-    gate.checked(40, hold=True)  # paused: stays closed whatever the reading
+    gate.checked(40, hold=True)  # still spilling: stays closed whatever the reading
     assert not gate.is_open
     released = threading.Thread(target=gate.wait, args=(lambda: False,))
     released.start()
