@@ -893,11 +893,11 @@ class SchedulerState:
             else:
                 self._recs[ts] = WAITING
         self.departing[address] = ws
-        # First the results that tasks still to run need: they must not wait for a later
-        # slice, nor be fetched from a worker that is gone.
-        needed = [ts for ts in ws.has_what
-                  if ts.dependents is not None and _needed_by_active(ts)]
-        if needed:
+        if max_keys is not None and len(ws.has_what) > max_keys:
+            # First the results that tasks still to run need: they must not wait for a
+            # later slice, nor be fetched from a worker that is gone.
+            needed = [ts for ts in ws.has_what
+                      if ts.dependents is not None and _needed_by_active(ts)]
             for ts in needed:
                 del ws.has_what[ts]
             self._let_go(ws, needed)

@@ -655,13 +655,13 @@ class Scheduler:
             self._coordination_keys_lost()  # the pseudo-client's wants may be gone too
         return None
 
-    def _tagged_cancel(self, client_id: str, reqid):
-        """The core's cancel, its answer to ``client_id`` tagged with ``reqid``; with
-        ``reqid`` False that answer is dropped (the canceller applied the cancel itself and
+    def _tagged_cancel(self, client_id: str, reqid, answer: bool = True):
+        """The core's cancel, its answer to ``client_id`` tagged with ``reqid``; without
+        ``answer`` that answer is dropped (the canceller applied the cancel itself and
         waits for one answer, the last slice's)."""
         def cancel(*args, **kwargs):
             client_msgs, worker_msgs = self.state.cancel(*args, **kwargs)
-            if reqid is False:
+            if not answer:
                 mine = [m for m in client_msgs.get(client_id, ())
                         if m.get("op") != "cancelled-keys"]
                 if mine:
@@ -689,7 +689,7 @@ class Scheduler:
         for i in range(0, len(keys), size):
             last = i + size >= len(keys)
             if not self._stimulus(client_id, "cancel",
-                                  self._tagged_cancel(client_id, reqid if last else False),
+                                  self._tagged_cancel(client_id, reqid, answer=last),
                                   client_id, keys[i:i + size], force=force):
                 return
             if not last:
