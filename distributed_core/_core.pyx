@@ -728,6 +728,13 @@ class SchedulerState:
     _worker_msgs: dict
     _stimulus_id: str
     _now: object
+    # work stealing (section "work stealing" below)
+    _steals: dict  # TaskState -> [thief WorkerState or None, request id]: not answered yet
+    _steal_refused: dict  # TaskState -> None: its worker would not give it back
+    steal_requests: cython.Py_ssize_t  # steal requests sent so far (the last request id)
+    steals_done: cython.Py_ssize_t  # tasks given back by their victim and placed again
+    steal_bandwidth: cython.double  # bytes/s assumed for moving a stolen task's inputs
+    steal_latency: cython.double  # seconds a move costs besides its inputs' transfer
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -780,6 +787,12 @@ class SchedulerState:
         self._worker_msgs = {}
         self._stimulus_id = ""
         self._now = 0.0
+        self._steals = {}
+        self._steal_refused = {}
+        self.steal_requests = 0
+        self.steals_done = 0
+        self.steal_bandwidth = 100e6
+        self.steal_latency = 0.002
 
     def __repr__(self):
         return (f"<SchedulerState tasks={len(self.tasks)} workers={len(self.workers)} "
@@ -798,6 +811,8 @@ class SchedulerState:
             ts.processing_on = None
         self.queued = []
         self.unrunnable = {}
+        self._steals = {}
+        self._steal_refused = {}
 
     # ------------------------------------------------------------------ stimuli
     #
@@ -881,6 +896,8 @@ class SchedulerState:
         self.idle.pop(address, None)
         self.total_nthreads -= ws.nthreads
         ws.status = WORKER_CLOSED
+        if self._steals:
+            self._thief_gone(ws)
         ts: TaskState
         for ts in sorted(ws.processing, key=_priority_of):
             ts.suspicious += 1
@@ -1485,6 +1502,237 @@ class SchedulerState:
             raise Unauthorized(f"{what}: worker {bounded_repr(worker)} was not asked to copy "
                                f"{_some(refused)}")
         return ws
+
+    # ------------------------------------------------------------------ work stealing
+    #
+    # balance() moves tasks that wait behind others on a busy worker (the victim) to a
+    # worker with room (the thief); the server calls it periodically and when a worker
+    # joins. Only the victim knows whether it began a task, so it is asked first
+    # (steal-request {key, request}); until it answers, the task stays processing on the
+    # victim, and steal_response() enacts the answer: a task given back goes to the thief
+    # (or through waiting when the thief is gone or can no longer take it), a refused one
+    # stays and is not asked for again while it runs there. A task is processing on
+    # exactly one worker at all times, runs at most once per assignment, and a task given
+    # back is never lost: its record leaves _steals only when the answer comes or the task
+    # leaves processing on the victim (then the answer is stale, and ignored).
+
+    def balance(self, stimulus_id) -> tuple:
+        """Work stealing: ask busy workers to give back tasks they have not begun, for
+        workers with room (a worker that just joined, one whose tasks turned out short).
+
+        A victim is a worker with more tasks than threads (seceded tasks do not count);
+        a thief a running worker with a free thread or less than half the mean work per
+        thread. Each victim, most loaded first, offers its least urgent tasks beyond
+        one per thread (those it runs last); one moves to the thief where it would start
+        soonest (its work per thread plus the transfer of the inputs it lacks at
+        ``steal_bandwidth``, plus ``steal_latency``) if it starts there before it would
+        on the victim: ``thief load + (estimate + cost) / thief threads <= victim load -
+        estimate / (2 * victim threads)`` (as dask's stealing). Tasks with worker or
+        resource restrictions, seceded tasks and tasks whose worker refused once stay.
+        The victim is sent ``{"op": "steal-request", "key", "request": int,
+        "stimulus_id"}`` and answers with ``steal_response``. Without a victim and a
+        thief this returns at once and is not counted as a stimulus."""
+        _check_str(stimulus_id, "stimulus_id")
+        if len(self.workers) < 2 or not self._may_steal():
+            return ({}, {})
+        self._begin(stimulus_id)
+        self._balance()
+        return self._end()
+
+    def steal_response(self, worker, key, request, given, stimulus_id) -> tuple:
+        """A worker answers a steal request: ``given`` True, it gave the task back
+        without beginning it (the task goes to the thief); False, it keeps it. Answers
+        that match no pending request of that worker (stale: the task moved on meanwhile,
+        or not the worker's business) change nothing."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_str(worker, "worker")
+        _check_key(key, "steal_response")
+        if type(request) is not int:
+            raise InvalidStimulus(f"steal_response: request must be an int, not "
+                                  f"{bounded_repr(request)}")
+        if type(given) is not bool:
+            raise InvalidStimulus(f"steal_response: given must be a bool, not "
+                                  f"{bounded_repr(given)}")
+        self._begin(stimulus_id)
+        ts: TaskState = self.tasks.get(key)
+        if ts is not None and ts.processing_on is not None \
+                and ts.processing_on.address == worker:
+            record = self._steals.get(ts)
+            if record is not None and record[1] == request:
+                del self._steals[ts]
+                if given:
+                    self._steal_given(ts, record[0])
+                else:
+                    self._steal_refused[ts] = None
+        return self._end()
+
+    def steal_counts(self) -> dict:
+        """Work stealing so far: ``requests`` sent, ``moved`` (given back and placed
+        again), ``in_flight`` (asked, not answered), ``refused_running`` (tasks whose
+        worker refused, still processing there)."""
+        return {"requests": self.steal_requests, "moved": self.steals_done,
+                "in_flight": len(self._steals), "refused_running": len(self._steal_refused)}
+
+    @cython.cfunc
+    def _spare(self, ws: WorkerState) -> cython.Py_ssize_t:
+        """Tasks ``ws`` runs at once: one a thread, plus its seceded tasks."""
+        if ws.long_running is None:
+            return ws.nthreads
+        return ws.nthreads + len(ws.long_running)
+
+    @cython.cfunc
+    def _may_steal(self) -> cython.bint:
+        """Whether some worker has tasks waiting behind its threads while a running one
+        has a free thread or none waiting: the cheap test before any balancing."""
+        ws: WorkerState
+        victim: cython.bint = False
+        thief: cython.bint = False
+        for ws in self.workers.values():
+            n: cython.Py_ssize_t = len(ws.processing)
+            spare: cython.Py_ssize_t = self._spare(ws)
+            if n > spare:
+                victim = True
+            elif ws.status == WORKER_RUNNING:
+                thief = True
+        return victim and thief
+
+    @cython.cfunc
+    def _balance(self) -> None:
+        ws: WorkerState
+        ts: TaskState
+        thief: WorkerState
+        load = {}  # WorkerState -> estimated seconds of work, steals in flight moved
+        count = {}  # WorkerState -> tasks, steals in flight moved
+        for ws in self.workers.values():
+            load[ws] = ws.occupancy
+            count[ws] = len(ws.processing)
+        for ts, record in self._steals.items():
+            ws = ts.processing_on
+            load[ws] -= ts.estimate
+            count[ws] -= 1
+            if record[0] is not None:
+                thief = record[0]
+                load[thief] += ts.estimate
+                count[thief] += 1
+        mean: cython.double = sum(load.values()) / max(self.total_nthreads, 1)
+        victims = []
+        thieves = []
+        for ws in self.workers.values():
+            if count[ws] > self._spare(ws):
+                victims.append((load[ws] / ws.nthreads, ws.address, ws))
+            elif ws.status == WORKER_RUNNING and (count[ws] < self._spare(ws)
+                                                  or load[ws] / ws.nthreads < mean / 2):
+                thieves.append(ws)
+        if not victims or not thieves:
+            return
+        victims.sort(reverse=True)
+        for entry in victims:
+            ws = entry[2]
+            extra: cython.Py_ssize_t = count[ws] - self._spare(ws)
+            candidates = []
+            for ts in ws.processing:
+                if ts in self._steals or ts in self._steal_refused or (
+                        ts.options is not None and ts.options.restricted) or (
+                        ws.long_running is not None and ts in ws.long_running):
+                    continue
+                candidates.append(ts)
+            for ts in heapq.nlargest(extra, candidates, key=_priority_of):
+                self._steal_one(ts, ws, thieves, load)
+
+    @cython.cfunc
+    def _steal_one(self, ts: TaskState, victim: WorkerState, thieves: list,
+                   load: dict) -> None:
+        """Ask ``victim`` for ``ts`` if some thief would start it sooner."""
+        thief: WorkerState
+        best: WorkerState = None
+        best_start: cython.double = 0.0
+        best_cost: cython.double = 0.0
+        for thief in thieves:
+            if not self._worker_fits(thief, ts, True):
+                continue
+            cost: cython.double = self._move_cost(ts, thief)
+            start: cython.double = (load[thief] + cost) / thief.nthreads
+            if best is None or start < best_start:
+                best, best_start, best_cost = thief, start, cost
+        if best is None:
+            return
+        estimate: cython.double = ts.estimate
+        if best_start + estimate / best.nthreads \
+                > load[victim] / victim.nthreads - estimate / (2 * victim.nthreads):
+            return
+        load[victim] -= estimate
+        load[best] += estimate + best_cost
+        self.steal_requests += 1
+        self._steals[ts] = [best, self.steal_requests]
+        self._send_worker(victim, {"op": "steal-request", "key": ts.key,
+                                   "request": self.steal_requests,
+                                   "stimulus_id": self._stimulus_id})
+
+    @cython.cfunc
+    def _move_cost(self, ts: TaskState, thief: WorkerState) -> cython.double:
+        """Seconds moving ``ts`` to ``thief`` costs: the inputs it lacks, and latency."""
+        dep: TaskState
+        nbytes: cython.Py_ssize_t = 0
+        for dep in ts.dependencies:
+            if dep.who_has is None or thief not in dep.who_has:
+                nbytes += max(dep.nbytes, 0)
+        return nbytes / self.steal_bandwidth + self.steal_latency
+
+    @cython.cfunc
+    def _steal_given(self, ts: TaskState, thief: WorkerState) -> None:
+        """The victim gave ``ts`` back: it goes to the thief if the thief can still
+        take it, else through waiting to wherever fits now."""
+        if thief is None or thief.status != WORKER_RUNNING \
+                or self.workers.get(thief.address) is not thief \
+                or (self.departing and ts.dependencies):
+            self._transition(ts, WAITING)
+            return
+        self._unassign(ts)
+        self._assign(ts, thief)
+        self.steals_done += 1
+        if self.validate:
+            self._validate_task(ts)
+
+    @cython.cfunc
+    def _thief_gone(self, ws: WorkerState) -> None:
+        """``ws`` left: steals meant for it are void, but their tasks still wait for
+        the victims' answers (a task given back is then placed anew)."""
+        for record in self._steals.values():
+            if record[0] is ws:
+                record[0] = None
+
+    @cython.cfunc
+    def _validate_steals(self) -> None:
+        ts: TaskState
+        ws: WorkerState
+        n_listed: cython.Py_ssize_t = 0
+        n_processing: cython.Py_ssize_t = 0
+        for ws in self.workers.values():
+            n_listed += len(ws.processing)
+        for ts in self.tasks.values():
+            if ts.state == PROCESSING:
+                n_processing += 1
+        # with "listed on ws => processing on ws": each task is on exactly one worker
+        _check(n_listed == n_processing, f"{n_listed} tasks listed as processing on "
+                                         f"workers, {n_processing} are processing")
+        requests = set()
+        for ts, record in self._steals.items():
+            _check(self.tasks.get(ts.key) is ts and ts.state == PROCESSING
+                   and ts.processing_on is not None,
+                   f"a steal of {ts} is in flight but it is not processing")
+            _check(type(record) is list and len(record) == 2
+                   and type(record[1]) is int and 0 < record[1] <= self.steal_requests
+                   and record[1] not in requests, f"steal record {record!r} of {ts}")
+            requests.add(record[1])
+            thief = record[0]
+            if thief is not None:
+                ws = thief
+                _check(ws is not ts.processing_on and self.workers.get(ws.address) is ws,
+                       f"the thief {ws} of {ts} is its victim or not registered")
+            _check(ts not in self._steal_refused, f"{ts} is refused and asked again")
+        for ts in self._steal_refused:
+            _check(self.tasks.get(ts.key) is ts and ts.state == PROCESSING,
+                   f"{ts} was refused to a thief but is not processing")
 
     # ------------------------------------------------------------------ authorization
 
@@ -2369,6 +2617,10 @@ class SchedulerState:
         ws.occupancy = ws.occupancy - ts.estimate if ws.processing else 0.0
         ts.processing_on = None
         ts.estimate = 0.0
+        if self._steals:  # a steal asked of ws is void: ws no longer runs ts
+            self._steals.pop(ts, None)
+        if self._steal_refused:
+            self._steal_refused.pop(ts, None)
         if ws.status == WORKER_RUNNING and not self._saturated(ws) \
                 and ws.address not in self.idle:
             self.idle[ws.address] = ws
@@ -2568,6 +2820,7 @@ class SchedulerState:
             for ts in cs.wants_what:
                 _check(ts.who_wants is not None and cs in ts.who_wants,
                        f"{cs} wants {ts} but is not in its who_wants")
+        self._validate_steals()
         self._validate_counters()
 
     @cython.cfunc

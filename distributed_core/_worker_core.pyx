@@ -332,6 +332,14 @@ def _check_compute_fields(key, spec, priority, who_has, resources, stimulus_id) 
 
 
 @cython.cfunc
+def _check_steal(key, request) -> None:
+    _check_key(key, "steal-request")
+    if type(request) is not int:
+        raise InvalidStimulus(f"steal-request: request must be an int, not "
+                              f"{bounded_repr(request)}")
+
+
+@cython.cfunc
 def _check_nbytes(nbytes, what: str) -> None:
     if type(nbytes) is not int or not -1 <= nbytes <= _MAX_NBYTES:
         raise InvalidStimulus(f"{what}: nbytes must be an int from -1 to 2**62, not "
@@ -541,8 +549,9 @@ class WorkerCore:
         """One frame of the scheduler's stream: its compute-task and free-keys messages
         (docs/protocol.md), applied in order as one stimulus, so that the executions it
         starts are handed out in priority order and the inputs it needs are asked of
-        each peer in one request. ``acquire-replicas`` messages are taken too
-        (``acquire_replicas``). Any other op is refused (the shell handles ``close``)."""
+        each peer in one request. ``acquire-replicas`` and ``steal-request`` messages
+        are taken too (``acquire_replicas``, ``steal_request``). Any other op is refused
+        (the shell handles ``close``)."""
         _check_str(stimulus_id, "stimulus_id")
         if not isinstance(msgs, _SEQUENCE):
             raise InvalidStimulus(f"scheduler_messages: msgs must be a list, not "
@@ -561,9 +570,15 @@ class WorkerCore:
                     _check_who_has(keys, "acquire-replicas")
                 sid = msg.get("stimulus_id")
                 checked.append((op, keys, sid if isinstance(sid, str) else None))
+            elif op == "steal-request":
+                _check_steal(msg.get("key"), msg.get("request"))
+                sid = msg.get("stimulus_id")
+                checked.append((op, (msg["key"], msg["request"]),
+                                sid if isinstance(sid, str) else None))
             else:
-                raise InvalidStimulus(f"scheduler_messages: not a compute-task, free-keys or "
-                                      f"acquire-replicas message: {bounded_repr(msg)}")
+                raise InvalidStimulus(f"scheduler_messages: not a compute-task, free-keys, "
+                                      f"acquire-replicas or steal-request message: "
+                                      f"{bounded_repr(msg)}")
         self._begin(stimulus_id)
         for parts in checked:
             if len(parts) == 3:
@@ -571,12 +586,40 @@ class WorkerCore:
                     self._stimulus_id = parts[2]
                 if parts[0] == "free-keys":
                     self._free_keys(parts[1])
+                elif parts[0] == "steal-request":
+                    self._steal(parts[1][0], parts[1][1])
                 else:
                     self._acquire_copies(parts[1])
             else:
                 self._compute_task(parts)
         self._stimulus_id = stimulus_id
         return self._end()
+
+    def steal_request(self, key, request, stimulus_id) -> list:
+        """The scheduler would move ``key`` to another worker (work stealing): a task
+        still to compute here that was not handed to the executor (``waiting``,
+        ``ready``, ``constrained``) is given back, as if freed; one handed out (it may
+        have begun), finished or unknown is kept. Either way the answer is one
+        ``{"op": "steal-response", "key", "request", "given": bool, "state"}`` (the
+        task's state here when asked, None if unknown), so a task never runs on two
+        workers and is never dropped by both."""
+        _check_str(stimulus_id, "stimulus_id")
+        _check_steal(key, request)
+        self._begin(stimulus_id)
+        self._steal(key, request)
+        return self._end()
+
+    @cython.cfunc
+    def _steal(self, key, request) -> None:
+        ts: WorkerTask = self.tasks.get(key)
+        state = None if ts is None else ts.state
+        given: cython.bint = ts is not None and ts.run_spec is not None and (
+            state == WAITING or state == READY or state == CONSTRAINED)
+        if given:
+            self._free_keys((key,))
+        self._instructions.append(SendMessage(
+            {"op": "steal-response", "key": key, "request": request, "given": given,
+             "state": state, "stimulus_id": self._stimulus_id}))
 
     @cython.cfunc
     def _free_keys(self, keys) -> None:

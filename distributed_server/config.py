@@ -77,6 +77,16 @@ def _positive_count(value) -> int:
     return count
 
 
+def _flag(value) -> bool:
+    if isinstance(value, str) and value.lower() in ("false", "no", "off", "0"):
+        return False
+    if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1"):
+        return True
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"not a boolean: {value!r}")
+
+
 def _path(value):
     return None if value in (None, "", False) else str(value)
 
@@ -89,6 +99,9 @@ SETTINGS = {
     "scheduler.allowed-failures": ("distributed.scheduler.allowed-failures", 3, _count),
     "scheduler.client-idle-timeout": (None, 300.0, parse_seconds),
     "scheduler.slice-keys": (None, 1_000, _positive_count),
+    "scheduler.work-stealing": ("distributed.scheduler.work-stealing", True, _flag),
+    "scheduler.work-stealing-interval": ("distributed.scheduler.work-stealing-interval",
+                                         0.1, parse_seconds),
     "worker.memory.target": ("distributed.worker.memory.target", 0.6, _fraction),
     "worker.memory.spill": ("distributed.worker.memory.spill", 0.7, _fraction),
     "worker.memory.pause": ("distributed.worker.memory.pause", 0.8, _fraction),

@@ -117,7 +117,10 @@ class Scheduler:
     scheduler`` serves on 8787) starts none. A busy port gives way to a free one, with a
     warning; ``dashboard_url`` tells where it is.
     ``coordination_limits`` bounds what the coordination primitives may hold
-    (`CoordinationLimits`).
+    (`CoordinationLimits`). ``work_stealing`` (None: configuration
+    ``scheduler.work-stealing``, default True) moves tasks waiting on busy workers to
+    workers with room (the core's ``balance``), every ``scheduler.work-stealing-interval``
+    (100 ms) while two workers or more are registered, and when a worker joins.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -127,8 +130,13 @@ class Scheduler:
                  allowed_failures: int | None = None,
                  client_idle_timeout: float | None = None,
                  max_connections: int | None = None, dashboard_address=None,
-                 coordination_limits: CoordinationLimits | None = None):
+                 coordination_limits: CoordinationLimits | None = None,
+                 work_stealing: bool | None = None):
         worker_ttl = config.get("scheduler.worker-ttl", worker_ttl)
+        #: Work stealing on (the core's ``balance``, every ``stealing_interval`` seconds
+        #: while there are two workers or more, and when a worker joins).
+        self.work_stealing = config.get("scheduler.work-stealing", work_stealing)
+        self.stealing_interval = config.get("scheduler.work-stealing-interval")
         worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
         allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
         client_idle_timeout = config.get("scheduler.client-idle-timeout", client_idle_timeout)
@@ -169,6 +177,7 @@ class Scheduler:
         self._worker_requests = introspection.WorkerRequests()  # story, logs
         self._listener = None
         self._ttl_task: asyncio.Task | None = None
+        self._steal_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._closed = asyncio.Event()
         #: Recent task outcomes: (key, worker, start, stop, ok), one append per task.
@@ -234,6 +243,8 @@ class Scheduler:
         logs.claim_address("scheduler", self.address)
         logs.install_buffer()
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
+        if self.work_stealing:
+            self._steal_task = asyncio.get_running_loop().create_task(self._steal_loop())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
         await self._plugin_hooks.start()
         if self.dashboard_address is not None:
@@ -265,6 +276,8 @@ class Scheduler:
         await self._plugin_hooks.close()
         if self._ttl_task is not None:
             self._ttl_task.cancel()
+        if self._steal_task is not None:
+            self._steal_task.cancel()
         self.loop_lag.stop()
         if self._coordination_timer is not None:
             self._coordination_timer.cancel()
@@ -334,6 +347,8 @@ class Scheduler:
         self.worker_plugins.worker_joined(comm)  # set up before its first task
         self._apply(messages)  # only now: they may be for this worker
         logger.info("worker %s joined (%d threads, name %r)", address, nthreads, name)
+        if self.work_stealing:  # work queued on the others may move to it at once
+            self._balance()
         if self._plugin_hooks.plugins:
             self._plugin_hooks.call("add_worker", worker=address)
         try:
@@ -527,6 +542,9 @@ class Scheduler:
                                msg.get("errant_worker"))
             elif op == "reschedule":
                 self._stimulus(address, op, self.state.reschedule, address, msg.get("key"))
+            elif op == "steal-response":  # a victim's answer to a steal-request
+                self._stimulus(address, op, self.state.steal_response, address,
+                               msg.get("key"), msg.get("request"), msg.get("given"))
             elif op == "long-running":  # a task seceded: it waits without a thread
                 self._stimulus(address, op, self.state.task_seceded, address, msg.get("key"))
             elif op == "add-keys":  # it holds copies it was asked for (retirement.py)
@@ -548,6 +566,17 @@ class Scheduler:
         if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
                                     erred):
             self.task_stream.record(address, erred, False)
+
+    async def _steal_loop(self) -> None:
+        """Work stealing: the core's ``balance`` every ``stealing_interval`` while two
+        workers or more are registered (with one, nothing is called)."""
+        while True:
+            await asyncio.sleep(self.stealing_interval)
+            if len(self.state.workers) > 1:
+                self._balance()
+
+    def _balance(self) -> None:
+        self._stimulus("scheduler", "balance", self.state.balance)
 
     async def _check_ttl(self) -> None:
         """Remove workers silent for longer than ``worker_ttl``, and disconnect clients

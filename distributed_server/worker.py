@@ -9,9 +9,10 @@ returns (docs/protocol.md, section 1b). ``worker.data`` holds a value exactly wh
 machine has that key in memory.
 
 - Registers with the scheduler (handshake role ``"worker"``) and reads its batched
-  stream: the ``compute-task``, ``free-keys`` and ``acquire-replicas`` (copies the
-  scheduler wants here: retirement, replicate, rebalance) messages of one frame are one
-  ``scheduler_messages`` stimulus (their executions start in priority order, their
+  stream: the ``compute-task``, ``free-keys``, ``acquire-replicas`` (copies the
+  scheduler wants here: retirement, replicate, rebalance) and ``steal-request`` (work
+  stealing: a task not handed to the executor is given back) messages of one frame are
+  one ``scheduler_messages`` stimulus (their executions start in priority order, their
   inputs are asked of each peer in one request), ``close`` closes. No asyncio Task is
   made per task.
 - Runs tasks on ``nthreads`` daemon executor threads. ``Execute`` puts the task's spec
@@ -634,7 +635,8 @@ class Worker:
         tasks: list = []
         for msg in msgs:
             op = msg.get("op")
-            if op == "compute-task" or op == "free-keys" or op == "acquire-replicas":
+            if op == "compute-task" or op == "free-keys" or op == "acquire-replicas" \
+                    or op == "steal-request":
                 tasks.append(msg)
             elif op == "close":
                 self._close_requested = True

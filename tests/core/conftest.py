@@ -163,6 +163,7 @@ class Sim:
         self.data: dict = {}  # address -> set of keys held
         self.log: list = []  # every (client_msgs, worker_msgs) the state returned
         self.asked: dict = {}  # address -> keys it was asked to copy (acquire-replicas)
+        self.steal_asks: dict = {}  # address -> steal-request messages not answered yet
         self.n = 0
 
     # -- stimuli -------------------------------------------------------------------------------
@@ -195,6 +196,8 @@ class Sim:
                     for key, holders in msg["who_has"].items():
                         assert holders and all(key in self.data[h] for h in holders), msg
                     self.asked.setdefault(address, set()).update(msg["who_has"])
+                elif msg["op"] == "steal-request":
+                    self.steal_asks.setdefault(address, []).append(msg)
                 else:
                     raise AssertionError(f"unexpected worker message {msg}")
         for address, msg in sent:
@@ -218,6 +221,7 @@ class Sim:
         in slices (call again while the address is in ``state.departing``)."""
         self.computing.pop(address, None)
         self.data.pop(address, None)
+        self.steal_asks.pop(address, None)
         sid = self.sid("remove-worker", stimulus_id)
         return self.record(self.state.remove_worker(address, sid, max_keys=max_keys))
 
@@ -247,6 +251,28 @@ class Sim:
         self.data[address].update(keys)
         sid = self.sid("add-keys", stimulus_id)
         return self.record(self.state.replicas_added(address, list(keys), sid))
+
+    def balance(self, stimulus_id=None) -> tuple:
+        return self.record(self.state.balance(self.sid("balance", stimulus_id)))
+
+    def answer_steals(self, address: str, give: bool = True, keys=None) -> list:
+        """The worker at ``address`` answers its pending steal requests (those of
+        ``keys`` only, if given), each as one steal_response stimulus: it gives a task
+        back if ``give`` and it still computes it (it drops it then), else refuses.
+        Returns the ``(key, given)`` answers."""
+        answers = []
+        pending = self.steal_asks.get(address, [])
+        for msg in list(pending):
+            if keys is not None and msg["key"] not in keys:
+                continue
+            pending.remove(msg)
+            given = give and msg["key"] in self.computing[address]
+            if given:
+                del self.computing[address][msg["key"]]
+            answers.append((msg["key"], given))
+            self.record(self.state.steal_response(address, msg["key"], msg["request"], given,
+                                                  self.sid("steal-response")))
+        return answers
 
     def where(self, key) -> str:
         """The one worker that was told to compute ``key`` and has not finished it."""

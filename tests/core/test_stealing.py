@@ -1,0 +1,234 @@
+"""Work stealing in the scheduler's core: ``balance`` asks busy workers for tasks they
+have not begun, ``steal_response`` enacts their answers. Every stimulus runs with
+validate on (a task processing on exactly one worker, steal records consistent)."""
+from __future__ import annotations
+
+import pytest
+from core_sim import Sim, assert_refused, computed, states, task
+
+from distributed_core import InvalidStimulus
+
+FANOUT = 10
+
+
+def loaded_worker(n: int = FANOUT, nthreads: int = 1) -> Sim:
+    """Worker a ran the root ``r``; the ``n`` tasks ``t0..`` that need it all went to a
+    (the holder of their input); then an empty worker b joined."""
+    sim = Sim()
+    sim.add_worker("a", nthreads)
+    sim.submit([task("r")] + [task(f"t{i}", "r") for i in range(n)],
+               [f"t{i}" for i in range(n)])
+    sim.finish("r", nbytes=1000)
+    assert set(sim.computing["a"]) == {f"t{i}" for i in range(n)}
+    sim.add_worker("b", 1)
+    return sim
+
+
+def steal_asks(sim: Sim, address: str) -> list:
+    return [msg["key"] for msg in sim.steal_asks.get(address, [])]
+
+
+def test_balance_asks_the_busy_worker_for_its_least_urgent_tasks():
+    sim = loaded_worker()
+    _, worker_msgs = sim.balance()
+    assert list(worker_msgs) == ["a"]
+    # Equal estimates (0.5 s, no duration known): half moves, the least urgent first.
+    assert steal_asks(sim, "a") == ["t9", "t8", "t7", "t6", "t5"]
+    msg = worker_msgs["a"][0]
+    assert msg["op"] == "steal-request" and isinstance(msg["request"], int)
+    assert sim.state.steal_counts() == {"requests": 5, "moved": 0, "in_flight": 5,
+                                        "refused_running": 0}
+    # Until the answer, the tasks stay processing on the victim only.
+    assert {ts.key for ts in sim.state.workers["a"].processing} == \
+        {f"t{i}" for i in range(FANOUT)}
+    assert not sim.state.workers["b"].processing
+    # A second balance before the answers asks for nothing more.
+    assert sim.balance()[1] == {}
+
+
+def test_a_task_given_back_goes_to_the_thief_with_its_inputs_holders():
+    sim = loaded_worker()
+    sim.balance()
+    sim.answer_steals("a")
+    moved = {f"t{i}" for i in range(5, FANOUT)}
+    assert set(sim.computing["b"]) == moved
+    assert {ts.key for ts in sim.state.workers["b"].processing} == moved
+    assert {ts.key for ts in sim.state.workers["a"].processing} == \
+        {f"t{i}" for i in range(5)}
+    for key in moved:
+        assert sim.computing["b"][key]["who_has"] == {"r": ["a"]}
+    assert sim.state.steal_counts()["moved"] == 5
+    assert sim.state.steal_counts()["in_flight"] == 0
+    sim.run_all()
+    assert all(state == "memory" for key, state in states(sim.state).items()
+               if key != "r")
+
+
+def test_a_refused_steal_keeps_the_task_and_is_not_asked_again():
+    """The task began on the victim (a race with the task starting)."""
+    sim = loaded_worker()
+    sim.balance()
+    sim.answer_steals("a", give=False, keys=["t9"])
+    sim.answer_steals("a", give=True)
+    assert sim.state.tasks["t9"].processing_on.address == "a"
+    assert sim.state.steal_counts()["refused_running"] == 1
+    assert "t9" not in set(sim.computing["b"])
+    sim.finish(*sim.computing["b"], worker="b")
+    sim.balance()
+    assert "t9" not in steal_asks(sim, "a")
+    sim.finish("t9", worker="a")
+    assert sim.state.steal_counts()["refused_running"] == 0
+
+
+def test_a_task_finished_before_the_answer_stays_finished():
+    """The victim finished the task; its answer (a refusal, or a lying "given") is stale."""
+    sim = loaded_worker()
+    sim.balance()
+    sim.finish("t9", worker="a")
+    assert sim.state.tasks["t9"].state == "memory"
+    assert sim.state.steal_counts()["in_flight"] == 4
+    request = sim.steal_asks["a"][0]["request"]
+    client_msgs, worker_msgs = sim.record(
+        sim.state.steal_response("a", "t9", request, True, "late-answer"))
+    assert (client_msgs, worker_msgs) == ({}, {})
+    assert sim.state.tasks["t9"].state == "memory"
+    sim.steal_asks["a"].pop(0)
+    sim.answer_steals("a")
+    assert sim.state.steal_counts()["moved"] == 4
+
+
+def test_an_answer_with_another_request_id_or_from_another_worker_is_ignored():
+    sim = loaded_worker()
+    sim.balance()
+    msg = sim.steal_asks["a"][0]
+    key, request = msg["key"], msg["request"]
+    assert sim.state.steal_response("a", key, request + 1000, True, "wrong-id") == ({}, {})
+    assert sim.state.steal_response("b", key, request, True, "not-its-task") == ({}, {})
+    assert sim.state.tasks[key].processing_on.address == "a"
+    assert sim.state.steal_counts()["in_flight"] == 5
+
+
+def test_the_victim_leaving_during_a_steal_reschedules_its_tasks_once():
+    sim = loaded_worker()
+    sim.balance()
+    pending = list(sim.steal_asks["a"])
+    sim.remove_worker("a")
+    # r was held only by a: it is computed again, then every t runs on b.
+    assert sim.state.steal_counts()["in_flight"] == 0
+    for msg in pending:  # answers from the departed worker change nothing
+        assert sim.state.steal_response("a", msg["key"], msg["request"], True,
+                                        sim.sid("late")) == ({}, {})
+    sim.run_all()
+    assert all(sim.state.tasks[f"t{i}"].state == "memory" for i in range(FANOUT))
+
+
+def test_the_thief_leaving_during_a_steal_places_a_given_task_again():
+    sim = loaded_worker()
+    sim.balance()
+    sim.remove_worker("b")
+    assert sim.state.steal_counts()["in_flight"] == 5
+    _answers = sim.answer_steals("a")
+    # Given back with no thief: through waiting, and the only worker left takes it.
+    assert set(sim.computing["a"]) == {f"t{i}" for i in range(FANOUT)}
+    assert sim.state.steal_counts() == {"requests": 5, "moved": 0, "in_flight": 0,
+                                        "refused_running": 0}
+    sim.run_all()
+    assert all(sim.state.tasks[f"t{i}"].state == "memory" for i in range(FANOUT))
+
+
+def test_a_task_released_by_its_client_during_a_steal():
+    sim = loaded_worker()
+    sim.balance()
+    sim.release(["t9"])
+    assert "t9" not in sim.state.tasks
+    assert sim.state.steal_counts()["in_flight"] == 4
+    answers = dict(sim.answer_steals("a"))
+    assert answers["t9"] is False  # the simulated worker dropped it on free-keys
+
+
+def test_a_worker_joining_takes_half_of_a_long_backlog():
+    sim = loaded_worker(n=100)
+    sim.balance()
+    sim.answer_steals("a")
+    assert len(sim.computing["a"]) + len(sim.computing["b"]) == 100
+    assert abs(len(sim.computing["a"]) - len(sim.computing["b"])) <= 2
+
+
+def test_no_balance_with_one_worker_or_without_waiting_work():
+    sim = Sim()
+    sim.add_worker("a", 1)
+    sim.submit([task("x"), task("y")], ["x", "y"])
+    assert len(sim.computing["a"]) == 2
+    before = sim.state.counters()["stimuli"]
+    assert sim.state.balance("b1") == ({}, {})
+    assert sim.state.counters()["stimuli"] == before  # not counted
+
+    sim = Sim()
+    sim.add_worker("a", 1)
+    sim.add_worker("b", 1)
+    sim.submit([task("x"), task("y")], ["x", "y"])
+    assert len(sim.computing["a"]) == len(sim.computing["b"]) == 1
+    assert sim.state.balance("b2") == ({}, {})  # one task a worker: nothing waits
+
+
+def test_restricted_and_seceded_tasks_stay():
+    sim = Sim()
+    sim.add_worker("a", 1)
+    sim.submit([task("r")] + [task(f"t{i}", "r", workers=["a"]) for i in range(3)]
+               + [task("s", "r")], ["t0", "t1", "t2", "s"])
+    sim.finish("r")
+    sim.add_worker("b", 1)
+    sim.record(sim.state.task_seceded("a", "s", "secede"))
+    sim.balance()
+    assert steal_asks(sim, "a") == []
+
+
+def test_durations_learned_decide_how_much_moves():
+    """Short tasks learned as such move only while the thief would start them sooner."""
+    sim = Sim()
+    sim.add_worker("a", 1)
+    sim.submit([task("r")] + [task(("t", i), "r") for i in range(8)],
+               [("t", i) for i in range(8)])
+    sim.finish("r")
+    sim.finish(("t", 0), duration=1.0)  # t's prefix: 1 s a task
+    sim.add_worker("b", 2)
+    sim.balance()
+    asked = steal_asks(sim, "a")
+    # a: 7 tasks of 1 s; b: 2 threads. Moves while b's work per thread plus the task is
+    # below a's remaining work minus half a task: 3 tasks.
+    assert asked == [("t", 7), ("t", 6), ("t", 5), ("t", 4)][:len(asked)]
+    assert len(asked) == 4
+
+
+def test_the_steal_request_and_compute_task_messages():
+    sim = loaded_worker(n=2)
+    _, worker_msgs = sim.balance(stimulus_id="bal")
+    assert worker_msgs == {"a": [{"op": "steal-request", "key": "t1", "request": 1,
+                                  "stimulus_id": "bal"}]}
+    sim.steal_asks["a"].clear()
+    del sim.computing["a"]["t1"]
+    _, worker_msgs = sim.record(sim.state.steal_response("a", "t1", 1, True, "given"))
+    assert computed(worker_msgs) == {"t1": "b"}
+
+
+@pytest.mark.parametrize("args, match", [
+    (("a", "t9", "1", True), "request must be an int"),
+    (("a", "t9", 1, 1), "given must be a bool"),
+    (("a", ["t9"], 1, True), "steal_response"),
+    ((None, "t9", 1, True), "worker"),
+])
+def test_bad_steal_responses_are_refused_and_change_nothing(args, match):
+    sim = loaded_worker()
+    sim.balance()
+    assert_refused(sim.state, lambda: sim.state.steal_response(*args, "bad"),
+                   InvalidStimulus, match)
+
+
+def test_validation_catches_a_task_listed_on_two_workers():
+    sim = loaded_worker()
+    ts = sim.state.tasks["t9"]
+    sim.state.workers["b"].processing.add(ts)
+    with pytest.raises(AssertionError):
+        sim.state.validate_state()
+    sim.state.workers["b"].processing.discard(ts)
+    sim.state.validate_state()
