@@ -5,7 +5,9 @@ random retries and priorities, occasional worker and resource restrictions) and 
 interleaves: workers joining and leaving (1-4 alive), simulated workers finishing or
 failing tasks they were told to compute (in batches), late reports of tasks a worker
 was told to drop, lost data (reported by a worker told to fetch it), rescheduling,
-retries, scatter, client 1 releasing keys and client 2 wanting overlapping keys. The
+retries, scatter, client 1 releasing keys and client 2 wanting overlapping keys, work
+stealing (balance, and victims giving back or refusing what they were asked for, in
+any order with the rest). The
 state runs with validate=True, so every stimulus checks every invariant; the machine
 also checks after each step that the simulated workers hold and run exactly what the
 scheduler thinks they do.
@@ -157,6 +159,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.join(pick(absent, i), nthreads)
             self.remember_told()
 
+    @rule(i=INDEX, nthreads=st.integers(1, 3))
+    def worker_joins_and_work_is_balanced(self, i, nthreads):
+        """As the server does: a worker that joins may take work the others wait on."""
+        absent = [a for a in POOL if a not in self.state.workers]
+        if len(self.state.workers) < 4:
+            self.join(pick(absent, i), nthreads)
+        self.sim.balance()
+        self.remember_told()
+
     @rule(i=INDEX, max_keys=st.one_of(st.none(), st.integers(1, 3)))
     def worker_leaves(self, i, max_keys):
         """A worker leaves; with ``max_keys`` the state lets go of its results in slices."""
@@ -190,6 +201,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         if busy:
             address = pick(busy, i)
             self.report(address, sorted(self.sim.computing[address], key=repr))
+
+    @rule()
+    def work_is_balanced(self):
+        """The periodic balance: busy workers are asked for tasks they have not begun."""
+        self.sim.balance()
+        self.remember_told()
+
+    @rule(gives=st.lists(st.booleans(), min_size=1, max_size=4))
+    def work_is_balanced_and_victims_answer(self, gives):
+        """A balance whose answers come before anything else happens."""
+        self.sim.balance()
+        for address, give in zip(sorted(self.sim.steal_asks), gives * 4):
+            self.sim.answer_steals(address, give=give)
+        self.remember_told()
+
+    @rule(i=INDEX, give=st.booleans())
+    def victim_answers_steal_requests(self, i, give):
+        """A victim answers its steal requests: gives back what it still computes, or
+        refuses (the tasks began); answers for tasks that moved on meanwhile are stale."""
+        asking = sorted(a for a, msgs in self.sim.steal_asks.items() if msgs)
+        if asking:
+            self.sim.answer_steals(pick(asking, i), give=give)
+            self.remember_told()
 
     @rule(i=INDEX, j=INDEX)
     def task_fails(self, i, j):
