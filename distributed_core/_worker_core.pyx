@@ -576,8 +576,8 @@ class WorkerCore:
                 checked.append((op, (msg["key"], msg["request"]),
                                 sid if isinstance(sid, str) else None))
             else:
-                raise InvalidStimulus(f"scheduler_messages: not a compute-task, free-keys, "
-                                      f"acquire-replicas or steal-request message: "
+                raise InvalidStimulus(f"scheduler_messages: not a compute-task, free-keys or "
+                                      f"acquire-replicas message (nor a steal-request): "
                                       f"{bounded_repr(msg)}")
         self._begin(stimulus_id)
         for parts in checked:
