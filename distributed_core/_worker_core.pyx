@@ -545,13 +545,13 @@ class WorkerCore:
         self._free_keys(keys)
         return self._end()
 
-    def scheduler_messages(self, msgs, stimulus_id) -> list:
+    def scheduler_messages(self, msgs, stimulus_id, begun=None) -> list:
         """One frame of the scheduler's stream: its compute-task and free-keys messages
         (docs/protocol.md), applied in order as one stimulus, so that the executions it
         starts are handed out in priority order and the inputs it needs are asked of
         each peer in one request. ``acquire-replicas`` and ``steal-request`` messages
-        are taken too (``acquire_replicas``, ``steal_request``). Any other op is refused
-        (the shell handles ``close``)."""
+        are taken too (``acquire_replicas``, ``steal_request``, with ``begun``). Any
+        other op is refused (the shell handles ``close``)."""
         _check_str(stimulus_id, "stimulus_id")
         if not isinstance(msgs, _SEQUENCE):
             raise InvalidStimulus(f"scheduler_messages: msgs must be a list, not "
@@ -587,7 +587,7 @@ class WorkerCore:
                 if parts[0] == "free-keys":
                     self._free_keys(parts[1])
                 elif parts[0] == "steal-request":
-                    self._steal(parts[1][0], parts[1][1])
+                    self._steal(parts[1][0], parts[1][1], begun)
                 else:
                     self._acquire_copies(parts[1])
             else:
@@ -595,26 +595,29 @@ class WorkerCore:
         self._stimulus_id = stimulus_id
         return self._end()
 
-    def steal_request(self, key, request, stimulus_id) -> list:
+    def steal_request(self, key, request, stimulus_id, begun=None) -> list:
         """The scheduler would move ``key`` to another worker (work stealing): a task
-        still to compute here that was not handed to the executor (``waiting``,
-        ``ready``, ``constrained``) is given back, as if freed; one handed out (it may
-        have begun), finished or unknown is kept. Either way the answer is one
-        ``{"op": "steal-response", "key", "request", "given": bool, "state"}`` (the
-        task's state here when asked, None if unknown), so a task never runs on two
-        workers and is never dropped by both."""
+        still to compute here that has not begun is given back, as if freed: one not
+        handed to the executor (``waiting``, ``ready``, ``constrained``), or one handed
+        out (``executing``) whose key is not in ``begun``, the keys whose executions the
+        shell says began (None: every execution may have begun; the shell must not let
+        one begin until this stimulus returns). A task that began, finished or is
+        unknown is kept. Either way the answer is one ``{"op": "steal-response", "key",
+        "request", "given": bool, "state"}`` (the task's state here when asked, None if
+        unknown), so a task never runs on two workers and is never dropped by both."""
         _check_str(stimulus_id, "stimulus_id")
         _check_steal(key, request)
         self._begin(stimulus_id)
-        self._steal(key, request)
+        self._steal(key, request, begun)
         return self._end()
 
     @cython.cfunc
-    def _steal(self, key, request) -> None:
+    def _steal(self, key, request, begun) -> None:
         ts: WorkerTask = self.tasks.get(key)
         state = None if ts is None else ts.state
         given: cython.bint = ts is not None and ts.run_spec is not None and (
-            state == WAITING or state == READY or state == CONSTRAINED)
+            state == WAITING or state == READY or state == CONSTRAINED
+            or (state == EXECUTING and begun is not None and key not in begun))
         if given:
             self._free_keys((key,))
         self._instructions.append(SendMessage(

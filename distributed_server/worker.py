@@ -286,6 +286,11 @@ class Worker:
         self._outcomes: deque = deque()  # (key, kind, value, report) from the threads
         self._wake_pending = False  # a call_soon_threadsafe to drain outcomes is queued
         self._stopping = False  # threads skip queued jobs and exit
+        # A thread begins a job only under this lock, and notes its key in _begun (until
+        # its outcome is drained): a steal request, answered under the lock, gives back
+        # a job handed to the threads exactly when no thread began it.
+        self._claim = threading.Lock()
+        self._begun: set = set()
         self._threads: list = []
         self._threads_lock = threading.Lock()
         self._retiring = 0  # executor threads to retire (tasks that rejoined)
@@ -633,11 +638,14 @@ class Worker:
         """Apply one frame of scheduler messages: its compute-task and free-keys
         messages are one stimulus (one fetch plan, executions in priority order)."""
         tasks: list = []
+        steals = False
         for msg in msgs:
             op = msg.get("op")
-            if op == "compute-task" or op == "free-keys" or op == "acquire-replicas" \
-                    or op == "steal-request":
+            if op == "compute-task" or op == "free-keys" or op == "acquire-replicas":
                 tasks.append(msg)
+            elif op == "steal-request":
+                tasks.append(msg)
+                steals = True
             elif op == "close":
                 self._close_requested = True
             elif op == "story" or op == "logs":
@@ -647,7 +655,10 @@ class Worker:
             elif op != "heartbeat":  # the scheduler's answer to ours: it is alive
                 logger.warning("worker %s ignores unknown operation %r from the scheduler",
                                self.address, op)
-        if tasks:
+        if steals:  # no thread may begin a job while the machine decides what to give
+            with self._claim:
+                self._scheduler_messages(tasks, self._begun)
+        elif tasks:
             self._scheduler_messages(tasks)
 
     def _plugin_message(self, msg: dict) -> None:
@@ -695,9 +706,10 @@ class Worker:
             reply["error"] = f"{type(exc).__name__}: {exc}"
         return reply
 
-    def _scheduler_messages(self, msgs: list) -> None:
+    def _scheduler_messages(self, msgs: list, begun=None) -> None:
         """One stimulus for the task messages of a frame; if the machine refuses the
-        frame, one per message, so only the bad ones are dropped (and logged)."""
+        frame, one per message, so only the bad ones are dropped (and logged). ``begun``:
+        the keys whose executions began (with steal requests in the frame)."""
         for msg in msgs:
             resources = msg.get("resources")
             if type(resources) is dict and resources:
@@ -706,10 +718,10 @@ class Worker:
         if not isinstance(sid, str):
             sid = "scheduler"
         try:
-            instructions = self.state.scheduler_messages(msgs, sid)
+            instructions = self.state.scheduler_messages(msgs, sid, begun=begun)
         except InvalidStimulus:
             for msg in msgs:
-                self._stimulus(self.state.scheduler_messages, [msg], sid)
+                self._stimulus(self.state.scheduler_messages, [msg], sid, begun=begun)
             return
         except Exception:
             logger.exception("BUG: worker %s: stimulus scheduler_messages %s failed",
@@ -777,7 +789,11 @@ class Worker:
             if gate is not None and not gate.is_open:
                 gate.wait(stopping)
             extra = False
-            if self._stopping or job[1].state != _EXECUTING:
+            with self._claim:
+                begin = not self._stopping and job[1].state == _EXECUTING
+                if begin:
+                    self._begun.add(job[0])
+            if not begin:
                 append((job[0], _SKIPPED, None, None))  # cancelled before it began
             else:
                 enter_task(self, job[0])
@@ -849,8 +865,11 @@ class Worker:
             outcomes.clear()
             return
         burst = []
+        begun = self._begun
         while outcomes:
-            burst.append(outcomes.popleft())
+            outcome = outcomes.popleft()
+            begun.discard(outcome[0])
+            burst.append(outcome)
         sid = f"executor-{next(self._bursts)}"
         try:
             instructions = self.state.executions_done(burst, sid)

@@ -54,6 +54,31 @@ def test_an_executing_task_is_kept():
     assert states(w) == {"a": "executing"}
 
 
+def test_an_execution_that_has_not_begun_is_given_back_and_skipped():
+    w = core()
+    w.compute_tasks([compute("a"), compute("b", priority=(0, 0, 1))], "s")
+    assert states(w) == {"a": "executing", "b": "executing"}
+    # the shell says which executions began: a did, b is still queued for the threads
+    out = w.steal_request("b", 1, "steal", begun={"a"})
+    assert out == [answer("b", 1, True, "executing", "steal")]
+    assert states(w) == {"a": "executing", "b": "cancelled"}
+    assert w.steal_request("a", 2, "steal", begun={"a"}) == \
+        [answer("a", 2, False, "executing", "steal")]
+    w.execute_skipped("b", "skipped")  # the thread skips the cancelled job
+    assert states(w) == {"a": "executing"}
+    assert list(w.executing_tasks) == [w.tasks["a"]]
+
+
+def test_a_given_back_execution_adopted_again_runs_here_once():
+    w = core()
+    w.compute_tasks([compute("a")], "s")
+    w.steal_request("a", 1, "steal", begun=())
+    assert states(w) == {"a": "cancelled"}
+    # the scheduler gives it back to this worker before the thread reached the job
+    assert w.compute_tasks([compute("a")], "again") == []
+    assert states(w) == {"a": "executing"}
+
+
 def test_a_waiting_task_is_given_back_and_its_fetch_dropped():
     w = core()
     assert w.compute_tasks([compute("t", who_has={"x": [A]})], "s") == [Fetch(A, ["x"])]
