@@ -32,10 +32,15 @@ Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
      finish in N s" with what was measured until then.
   7  scheduler CPU per task (user+sys of the scheduler process) on 1-3 (and 6)
   8  the interpreted core (``DISTRIBUTED_CORE_PURE=1``) on 1 (map 1x1), 3 and 5
+  9  work stealing (issue 14, target 3; stealing_bench.py): N tasks that need one root
+     result, 1 % sleeping 0.5 s and the rest 5 ms; ``uneven``: 2x1 from the start;
+     ``join``: 1x1, a second worker started after 20 % of the work. Makespan, its lower
+     bound (longest chain, or the work over the threads, the late thread counted from
+     when it registered) and makespan / lower bound; N = 2,000 [400]
 
 Every run is a subprocess in its own session, killed with everything it started at its
-timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1140 [175])
-are used up and reports what it skipped. Workloads 1-4 run ``--repeat`` times (2 [1]) in
+timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1230 [215])
+are used up and reports what it skipped. Workloads 1-4 and 9 run ``--repeat`` times (2 [1]) in
 rounds, every workload once before any repeat; a repeat starts only if its first run's
 time still fits the budget.
 """
@@ -254,8 +259,13 @@ def child_main(spec: dict) -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="compare-") as logdir:
             system = _system(spec, logdir)
-            run = {"array": child_array, "held": child_held, "seed": child_seed}[kind]
-            result = run(spec, system)
+            if kind == "steal":
+                import stealing_bench
+
+                result = stealing_bench.child(spec, system, logdir)
+            else:
+                run = {"array": child_array, "held": child_held, "seed": child_seed}[kind]
+                result = run(spec, system)
             result.update(system.info)
             print(RESULT_MARK + json.dumps(result), flush=True)
             # a dask scheduler still busy with a graph may not close gracefully: the
@@ -297,7 +307,8 @@ def sizes(args) -> dict:
         "seed_limit": args.seed_limit or (60.0 if q else 300.0),
         "repeat": args.repeat or (1 if q else 2),
         "timeout": 120.0 if q else 300.0,
-        "budget": args.budget or (175.0 if q else 1140.0),
+        "steal_n": 400 if q else 2_000,
+        "budget": args.budget or (215.0 if q else 1230.0),
     }
 
 
@@ -321,6 +332,10 @@ def plan(args, s: dict) -> list:
     cells += [
         ("rt_1x1", "e2e", {"workload": "rt", "workers": 1}, [DCORE, DASK], s["repeat"]),
         ("array_2x1", "array", {"workers": 2, "chunks": s["chunks"]}, more, s["repeat"]),
+        ("steal_uneven", "steal", {"workers": 2, "mode": "uneven", "n": s["steal_n"]},
+         [DCORE, DASK], s["repeat"]),
+        ("steal_join", "steal", {"workers": 1, "mode": "join", "n": s["steal_n"]},
+         [DCORE, DASK], s["repeat"]),
     ]
     for n in s["held"]:
         cells.append((f"held_{n}", "held", {"workers": 1, "n": n, "limit": s["timeout"] - 60},
@@ -382,6 +397,10 @@ def _brief(kind: str, r: dict) -> str:
         if r.get("rt_median_ms") is not None:
             text = f"{r['rt_median_ms']:.2f} ms"
         return text + ("  " + r["error"] if r.get("error") else "")
+    if kind == "steal" and r.get("ratio") is not None:
+        join = f", 2nd worker at {r['join_s']:.1f} s" if r.get("join_s") else ""
+        return f"makespan {r['makespan_s']:.2f} s, bound {r['lower_bound_s']:.2f} s, " \
+               f"ratio {r['ratio']:.3f}{join}"
     if kind in ("held", "tracemalloc") and r.get("bytes_per_task") is not None:
         return f"{r['bytes_per_task']:,.0f} B/task"
     if kind == "seed" and "limit_s" in r:
@@ -470,6 +489,14 @@ def build_rows(raw: dict, s: dict) -> list:
             row("7", name, cell, "sched_cpu_us", "us/task", False,
                 label="sched CPU us/task", fmt=",.1f",
                 pure=cell in ("map_1x1", "array_2x1"))
+    steal_n = s.get("steal_n", 0)
+    for cell, name in (("steal_uneven", f"steal: {steal_n:,} tasks 1% 100x longer, 2x1"),
+                       ("steal_join", f"steal: {steal_n:,} tasks, 2nd worker at 20%")):
+        if cell in raw:
+            row("9", name, cell, "makespan_s", "s", False, label="makespan s", fmt=".2f")
+            row("9", name, cell, "lower_bound_s", "s", False, label="lower bound s",
+                fmt=".2f")
+            row("9", name, cell, "ratio", "x", False, label="makespan / bound", fmt=".3f")
     # the seed: a system that did not finish is slower than its limit
     for entry in rows:
         if entry["cell"] == seed and entry["field"] == "wall_s":
@@ -547,8 +574,30 @@ TARGETS = [  # (workload numbers, metric prefix, the advantage issue 6 asks for)
 ]
 
 
+STEAL_TARGET = 1.15  # issue 14, target 3: makespan within 15 % of the lower bound
+
+
 def check_targets(rows: list) -> list:
-    """Lines: each target of issue 6 against the rows (reported, never asserted)."""
+    """Lines: each target of issue 6 against the rows (reported, never asserted); then
+    issue 14's target 3 (stealing: ratio <= 1.15 and at most dask's)."""
+    out = _check_targets_6(rows)
+    for e in rows:
+        if e["workload"] != "9" or e["field"] != "ratio":
+            continue
+        ours, dask = e["values"].get(DCORE), e["values"].get(DASK)
+        text = "makespan <= 1.15x bound, <= dask's ratio"
+        if ours is None:
+            why = e["errors"].get(DCORE) or "no figure"
+            out.append(f"  {text:<42} {e['name']}: not measured ({why[:60]})")
+            continue
+        verdict = "met" if ours <= STEAL_TARGET else f"MISSED ({ours:.3f} > {STEAL_TARGET})"
+        versus = "dask not measured" if dask is None else (
+            f"dask {dask:.3f}: " + ("at least as good" if ours <= dask else "WORSE than dask"))
+        out.append(f"  {text:<42} {e['name']}: {ours:.3f}  {verdict}; {versus}")
+    return out
+
+
+def _check_targets_6(rows: list) -> list:
     out = []
     for numbers, metric, wanted, text in TARGETS:
         for e in rows:
@@ -632,7 +681,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed-limit", type=float, default=None,
                         help="seconds each system gets on the seed workload (300; quick 90)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole suite (1140; --quick 170)")
+                        help="seconds for the whole suite (1230; --quick 215)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--chart-from", metavar="JSON",
                         help="reprint the table and targets of a results file and redraw "
@@ -692,7 +741,10 @@ def main(argv=None) -> int:
           "before, / N; tracemalloc: core.py's measure_held (state alone, keys excluded)")
     print("  6: bytes/task = (scheduler peak RSS - RSS before) / tasks received")
     targets = check_targets(rows)
-    print("\ntargets of issue 6 (distributed-core vs dask.distributed, reported, not asserted)")
+    print("  9: lower bound = max(longest chain, work / threads), the late worker's thread "
+          "counted from when it registered")
+    print("\ntargets of issues 6 and 14 (distributed-core vs dask.distributed, reported, "
+          "not asserted)")
     print("\n".join(targets))
     doc = {"header": header, "rows": rows, "raw": raw, "table": lines, "targets": targets,
            "elapsed_s": elapsed}
