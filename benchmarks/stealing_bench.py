@@ -7,8 +7,8 @@ Sleeping keeps the figures about placement, not about CPU contention on 2 cores.
 
 - ``uneven``: 2 workers x 1 thread from the start.
 - ``join``: 1 worker x 1 thread; a second one is started once 20 % of the work (in
-  seconds of sleep) is done (from a thread: the work goes on while it starts, and the
-  makespan never waits for it).
+  seconds of sleep) is done (another thread gathers the results: the work goes on
+  while the worker starts, and the makespan never waits for it).
 
 Makespan: from ``client.compute`` of the N tasks until ``gather`` has every result
 (results checked). Lower bound: the longest chain (the root, then the longest task) or
@@ -89,25 +89,28 @@ def child(spec: dict, system, logdir: str) -> dict:
     tasks = _graph(seconds)
     t0 = time.perf_counter()
     futures = client.compute(tasks)
-    joined: list = []
-    starter = None
+    done: list = []  # [results, makespan], from the thread that gathers
+
+    def gather():
+        results = client.gather(futures)
+        done.extend([results, time.perf_counter() - t0])
+
+    # The main thread starts the second worker: a worker process dies with the thread
+    # that spawned it (distributed-core's LocalCluster: PR_SET_PDEATHSIG).
+    gatherer = threading.Thread(target=gather, daemon=True)
+    gatherer.start()
+    join_s = None
     if join:
         total = sum(seconds)
-        while sum(s for f, s in zip(futures, seconds) if f.done()) < JOIN_AT * total:
+        while sum(s for f, s in zip(futures, seconds) if f.done()) < JOIN_AT * total \
+                and gatherer.is_alive():
             time.sleep(0.01)
-
-        def start_worker():  # the work goes on meanwhile, and may end first
-            _add_worker(system, logdir)
-            joined.append(time.perf_counter() - t0)
-
-        starter = threading.Thread(target=start_worker, daemon=True)
-        starter.start()
-    results = client.gather(futures)
-    makespan = time.perf_counter() - t0
-    join_s = None
-    if starter is not None:
-        starter.join(120)
-        join_s = joined[0] if joined else makespan
+        _add_worker(system, logdir)  # the work goes on meanwhile, and may end first
+        join_s = time.perf_counter() - t0
+    gatherer.join()
+    results, makespan = done
+    if join_s is not None:
+        join_s = min(join_s, makespan)
     assert results == expected, "wrong results"
     bound = lower_bound(seconds, spec["workers"], join_s)
     return {"makespan_s": makespan, "lower_bound_s": bound, "ratio": makespan / bound,

@@ -1679,7 +1679,7 @@ class SchedulerState:
         return nbytes / self.steal_bandwidth + self.steal_latency
 
     @cython.cfunc
-    def _steal_given(self, ts: TaskState, thief: WorkerState) -> None:
+    def _steal_given(self, ts: TaskState, thief: Optional[WorkerState]) -> None:
         """The victim gave ``ts`` back: it goes to the thief if the thief can still
         take it, else through waiting to wherever fits now."""
         if thief is None or thief.status != WORKER_RUNNING \
