@@ -11,7 +11,9 @@ Sleeping keeps the figures about placement, not about CPU contention on 2 cores.
   while the worker starts, and the makespan never waits for it).
 
 Makespan: from ``client.compute`` of the N tasks until ``gather`` has every result
-(results checked). Lower bound: the longest chain (the root, then the longest task) or
+(results checked); also reported: when ``compute`` returned (``submit_s``) and when the
+first result was in (``first_result_s``: intake, the root, one task), which the lower
+bound does not count. Lower bound: the longest chain (the root, then the longest task) or
 the work divided among the threads, whichever is larger; for ``join``, the second
 thread counts only from the moment the second worker is registered (``t_join``, seen by
 the client): ``max(chain, W if W <= t_join else t_join + (W - t_join) / 2)``.
@@ -89,6 +91,7 @@ def child(spec: dict, system, logdir: str) -> dict:
     tasks = _graph(seconds)
     t0 = time.perf_counter()
     futures = client.compute(tasks)
+    submit_s = time.perf_counter() - t0
     done: list = []  # [results, makespan], from the thread that gathers
 
     def gather():
@@ -99,6 +102,12 @@ def child(spec: dict, system, logdir: str) -> dict:
     # that spawned it (distributed-core's LocalCluster: PR_SET_PDEATHSIG).
     gatherer = threading.Thread(target=gather, daemon=True)
     gatherer.start()
+    first_s = None  # when the first task's result was in (intake, root, first task)
+    while first_s is None and gatherer.is_alive():
+        if any(f.done() for f in futures):
+            first_s = time.perf_counter() - t0
+        else:
+            time.sleep(0.005)
     join_s = None
     if join:
         total = sum(seconds)
@@ -114,4 +123,5 @@ def child(spec: dict, system, logdir: str) -> dict:
     assert results == expected, "wrong results"
     bound = lower_bound(seconds, spec["workers"], join_s)
     return {"makespan_s": makespan, "lower_bound_s": bound, "ratio": makespan / bound,
-            "join_s": join_s, "work_s": sum(seconds), "tasks": spec["n"]}
+            "join_s": join_s, "work_s": sum(seconds), "tasks": spec["n"],
+            "submit_s": submit_s, "first_result_s": first_s}
