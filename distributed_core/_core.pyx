@@ -71,6 +71,9 @@ _INT32_MAX = 2 ** 31 - 1
 # Every task counts at least this long in a worker's occupancy: the scheduling overhead
 # of a task. It bounds how many tiny tasks the queue horizon lets a worker hold.
 _MIN_TASK_ESTIMATE = 0.0005
+# Tasks of one victim that one balance looks at, at most (it offers the least urgent of
+# them): a balance costs the same with a backlog of a million.
+_STEAL_SCAN = 10_000
 _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 _LAYER_CACHE_SIZE = 10_000  # layer names (key[0] of tuple keys) remembered at most
@@ -1636,6 +1639,8 @@ class SchedulerState:
                         ws.long_running is not None and ts in ws.long_running):
                     continue
                 candidates.append(ts)
+                if len(candidates) >= _STEAL_SCAN:
+                    break  # a bounded look at a huge backlog: the least urgent of these
             for ts in heapq.nlargest(extra, candidates, key=_priority_of):
                 self._steal_one(ts, ws, thieves, load)
 

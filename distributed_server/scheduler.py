@@ -121,7 +121,7 @@ class Scheduler:
     ``scheduler.work-stealing``, default True) moves tasks waiting on busy workers to
     workers with room (the core's ``balance``), every ``scheduler.work-stealing-interval``
     (100 ms) while two workers or more are registered, when a worker joins, and when a
-    worker's reports leave it a free thread.
+    worker's reports leave it no task waiting for a thread.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -566,8 +566,8 @@ class Scheduler:
             self.task_stream.record(address, finished, True)
             if self.work_stealing and len(self.state.workers) > 1:
                 ws = self.state.workers.get(address)
-                if ws is not None and len(ws.processing) < ws.nthreads:
-                    self._balance()  # it has a free thread: do not wait for the timer
+                if ws is not None and len(ws.processing) <= ws.nthreads:
+                    self._balance()  # nothing waits there: do not wait for the timer
         if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
                                     erred):
             self.task_stream.record(address, erred, False)

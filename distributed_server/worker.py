@@ -861,11 +861,12 @@ class Worker:
         # cleared before draining: an outcome appended from now on schedules a new call
         self._wake_pending = False
         outcomes = self._outcomes
+        begun = self._begun
         if self.status != RUNNING_STATUS:
-            outcomes.clear()
+            while outcomes:
+                begun.discard(outcomes.popleft()[0])
             return
         burst = []
-        begun = self._begun
         while outcomes:
             outcome = outcomes.popleft()
             begun.discard(outcome[0])
