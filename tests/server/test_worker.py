@@ -1017,9 +1017,9 @@ def count_calls(*workers) -> tuple[dict, dict]:
     computed = dict.fromkeys(workers, 0)
     served = dict.fromkeys(workers, 0)
     for w in workers:
-        def on_compute(msgs, w=w, original=w._scheduler_messages):
+        def on_compute(msgs, begun=None, w=w, original=w._scheduler_messages):
             computed[w] += sum(msg["op"] == "compute-task" for msg in msgs)
-            original(msgs)
+            original(msgs, begun)
 
         def on_get_data(msg, w=w, original=w._get_data):
             served[w] += 1
