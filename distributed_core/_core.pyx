@@ -1534,7 +1534,8 @@ class SchedulerState:
         resource restrictions, seceded tasks and tasks whose worker refused once stay.
         The victim is sent ``{"op": "steal-request", "key", "request": int,
         "stimulus_id"}`` and answers with ``steal_response``. Without a victim and a
-        thief this returns at once and is not counted as a stimulus."""
+        thief, or while tasks are queued in the scheduler (the queue feeds workers with
+        room), this returns at once and is not counted as a stimulus."""
         _check_str(stimulus_id, "stimulus_id")
         if len(self.workers) < 2 or not self._may_steal():
             return ({}, {})
@@ -1590,6 +1591,8 @@ class SchedulerState:
         ws: WorkerState
         victim: cython.bint = False
         thief: cython.bint = False
+        if self.n_queued > 0:
+            return False  # the queue feeds every worker with room: nobody waits for work
         for ws in self.workers.values():
             n: cython.Py_ssize_t = len(ws.processing)
             spare: cython.Py_ssize_t = self._spare(ws)

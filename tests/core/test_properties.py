@@ -422,3 +422,18 @@ class KeepsNeededResults(SchedulerMachine):
 TestKeepsNeededResults = KeepsNeededResults.TestCase
 
 
+
+
+class StealsWithoutQueue(SchedulerMachine):
+    """The same with queuing off (``worker_saturation=inf``): every runnable task goes to
+    a worker at once, so balance finds the most to move (with tasks queued in the
+    scheduler it moves nothing: the queue feeds every worker with room)."""
+
+    @initialize(allowed_failures=st.integers(1, 3),
+                workers=st.lists(st.sampled_from(POOL), min_size=1, max_size=4, unique=True),
+                nthreads=st.integers(1, 3), graph=graphs("t"))
+    def start(self, allowed_failures, workers, nthreads, graph):
+        SchedulerMachine.start(self, float("inf"), allowed_failures, workers, nthreads, graph)
+
+
+TestStealsWithoutQueue = StealsWithoutQueue.TestCase

@@ -232,3 +232,12 @@ def test_validation_catches_a_task_listed_on_two_workers():
         sim.state.validate_state()
     sim.state.workers["b"].processing.discard(ts)
     sim.state.validate_state()
+
+
+def test_no_stealing_while_the_scheduler_queue_feeds_the_workers():
+    """Queued tasks (no inputs) go to any worker with room: stealing would only add
+    round trips."""
+    sim = loaded_worker()
+    sim.submit([task(f"q{i}") for i in range(20)], [f"q{i}" for i in range(20)])
+    assert sim.state.n_queued > 0
+    assert sim.state.balance("b") == ({}, {})
