@@ -197,7 +197,9 @@ class Sim:
                         assert holders and all(key in self.data[h] for h in holders), msg
                     self.asked.setdefault(address, set()).update(msg["who_has"])
                 elif msg["op"] == "steal-request":
-                    self.steal_asks.setdefault(address, []).append(msg)
+                    # what the worker computes under that key when the request arrives
+                    held = computing.get(msg["key"])
+                    self.steal_asks.setdefault(address, []).append(dict(msg, held=held))
                 else:
                     raise AssertionError(f"unexpected worker message {msg}")
         for address, msg in sent:
@@ -258,15 +260,18 @@ class Sim:
     def answer_steals(self, address: str, give: bool = True, keys=None) -> list:
         """The worker at ``address`` answers its pending steal requests (those of
         ``keys`` only, if given), each as one steal_response stimulus: it gives a task
-        back if ``give`` and it still computes it (it drops it then), else refuses.
-        Returns the ``(key, given)`` answers."""
+        back if ``give`` and it still computes what it computed under that key when the
+        request arrived (it drops it then), else refuses (it began it; a task that
+        finished, was freed or was sent again since then is not given: a real worker
+        answers on arrival). Returns the ``(key, given)`` answers."""
         answers = []
         pending = self.steal_asks.get(address, [])
         for msg in list(pending):
             if keys is not None and msg["key"] not in keys:
                 continue
             pending.remove(msg)
-            given = give and msg["key"] in self.computing[address]
+            held = msg["held"]
+            given = give and held is not None and self.computing[address].get(msg["key"]) is held
             if given:
                 del self.computing[address][msg["key"]]
             answers.append((msg["key"], given))
