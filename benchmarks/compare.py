@@ -9,6 +9,7 @@ one PNG chart::
     pip install ".[bench]"
     python benchmarks/compare.py --quick      # < 3 minutes
     python benchmarks/compare.py              # the whole suite, < 20 minutes on 2 cores
+    python benchmarks/compare.py --only seed  # one cell (its full size; with --quick, quick)
 
 Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
 
@@ -28,8 +29,10 @@ Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
      client's graph plan; dask: its scheduler's update-graph event), scheduler peak RSS
      (VmHWM), bytes per task ((peak - RSS before) / tasks), intake time (compute() until
      the scheduler has taken the whole graph in), wall time. Each system gets a time
-     limit (``--seed-limit``, 300 s [90 s]); past it the run is reported as "did not
-     finish in N s" with what was measured until then.
+     limit (``--seed-limit``, 300 s [60 s]); past it the run is reported as "did not
+     finish in N s" with what was measured until then. Beside them, the same collection
+     computed in one process by dask's ``scheduler="sync"`` (issue 14 target 1:
+     distributed-core's wall at most 0.75x of it); the results must agree.
   7  scheduler CPU per task (user+sys of the scheduler process) on 1-3 (and 6)
   8  the interpreted core (``DISTRIBUTED_CORE_PURE=1``) on 1 (map 1x1), 3 and 5
 
@@ -62,6 +65,9 @@ REPO = e2e.REPO
 RESULTS_DIR = e2e.RESULTS_DIR
 RESULT_MARK = e2e.RESULT_MARK  # what e2e.run_child looks for
 DCORE, DCORE_PURE, DASK, DASK_NOQ = "dcore", "dcore-pure", "dask", "dask-noqueue"
+SYNC = "dask-sync"  # dask's in-process single-threaded scheduler: the seed's reference
+#: Issue 14, target 1: the seed's wall at most this fraction of dask's ``sync`` wall.
+SEED_SYNC_TARGET = 0.75
 
 
 # ====================================================================== child side
@@ -247,10 +253,49 @@ def child_seed(spec: dict, system) -> dict:
     return out
 
 
+def child_seed_sync(spec: dict) -> dict:
+    """The seed's collection computed in this process by ``dask.compute(...,
+    scheduler="sync")``, within the same time limit as the clusters."""
+    import dask
+
+    limit = spec["limit"]
+    out: dict = {"limit_s": limit, "finished": False}
+    with dask.config.set({"dataframe.shuffle.method": "tasks"}):
+        warm = seed_collection("2000-01-01", "2000-01-01T06:00")
+        dask.compute(warm, scheduler="sync")
+        collection = seed_collection(spec["start"], spec["end"])
+        done: dict = {}
+
+        def run():
+            try:
+                done["result"] = dask.compute(collection, scheduler="sync")[0]
+            except BaseException as exc:  # noqa: BLE001 - reported
+                done["error"] = repr(exc)
+            done["wall_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        cpu0 = time.process_time()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(limit)
+    if "wall_s" not in done:
+        out["error"] = f"did not finish in {limit:.0f} s"
+    elif "error" in done:
+        out["error"] = done["error"][:300]
+    else:
+        out.update(finished=True, wall_s=done["wall_s"], result=int(done["result"]),
+                   cpu_s=time.process_time() - cpu0)
+    return out
+
+
 def child_main(spec: dict) -> None:
     kind = spec["kind"]
     if kind == "tracemalloc":
         result = child_tracemalloc(spec)
+    elif kind == "seed" and spec["system"] == SYNC:
+        result = child_seed_sync(spec)
+        print(RESULT_MARK + json.dumps(result), flush=True)
+        os._exit(0)  # a compute past its limit still runs in its thread
     else:
         with tempfile.TemporaryDirectory(prefix="compare-") as logdir:
             system = _system(spec, logdir)
@@ -310,7 +355,7 @@ def plan(args, s: dict) -> list:
         # the seed first: the longest and most important run is never squeezed by the
         # suite's budget
         ("seed", "seed", {"workers": 2, "start": start, "end": end,
-                          "limit": s["seed_limit"]}, [DCORE, DASK], 1),
+                          "limit": s["seed_limit"]}, [DCORE, SYNC, DASK], 1),
         ("map_1x1", "e2e", {"workload": "map", "workers": 1}, map_variants, s["repeat"]),
         ("map_2x1", "e2e", {"workload": "map", "workers": 2}, [DCORE, DASK], s["repeat"]),
         ("tree_1x1", "e2e", {"workload": "tree", "workers": 1}, [DCORE, DASK], s["repeat"]),
@@ -326,6 +371,9 @@ def plan(args, s: dict) -> list:
         cells.append((f"held_{n}", "held", {"workers": 1, "n": n, "limit": s["timeout"] - 60},
                       more, 1))
         cells.append((f"tracemalloc_{n}", "tracemalloc", {"n": n}, [DCORE, DCORE_PURE], 1))
+    if args.only:
+        wanted = {c.strip() for c in args.only.split(",") if c.strip()}
+        cells = [c for c in cells if c[0] in wanted or c[0].split("_")[0] in wanted]
     return cells
 
 
@@ -342,7 +390,7 @@ def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
                 continue
             order = variants[::-1] if r % 2 else variants
             for v in order:
-                system = DASK if v in (DASK, DASK_NOQ) else DCORE
+                system = DASK if v in (DASK, DASK_NOQ) else SYNC if v == SYNC else DCORE
                 if kind == "seed":
                     wanted = extra["limit"] + 120
                 elif kind == "tracemalloc":
@@ -386,8 +434,10 @@ def _brief(kind: str, r: dict) -> str:
         return f"{r['bytes_per_task']:,.0f} B/task"
     if kind == "seed" and "limit_s" in r:
         wall = f"wall {r['wall_s']:.1f} s" if r.get("finished") else r.get("error")
+        if "peak_rss_mb" not in r:  # dask's sync scheduler: no cluster
+            return f"result {r.get('result')}, {wall}"
         return f"{r.get('tasks')} tasks, intake {_f(r.get('intake_s'), '.1f')} s, " \
-               f"peak RSS {r['peak_rss_mb']:.0f} MB, {wall}"
+               f"peak RSS {r['peak_rss_mb']:.0f} MB, {wall}, result {r.get('result')}"
     return r.get("error", "?")
 
 
@@ -486,6 +536,54 @@ def build_rows(raw: dict, s: dict) -> list:
         if entry["field"] == "tasks":
             entry["advantage"] = None  # a count, not a figure of merit
     return rows
+
+
+def seed_summary(raw: dict) -> dict | None:
+    """Issue 14 target 1: the seed's wall on distributed-core against dask's in-process
+    ``sync`` scheduler (target: dcore / sync <= SEED_SYNC_TARGET) and against
+    dask.distributed, and whether the finished runs' results agree."""
+    runs = raw.get("seed")
+    if not runs:
+        return None
+    out: dict = {"wall_s": {}, "errors": {}, "results": {}}
+    for v in (DCORE, SYNC, DASK):
+        for r in runs.get(v, []):
+            if r.get("finished"):
+                out["wall_s"][v] = r["wall_s"]
+                out["results"][v] = r.get("result")
+            elif r.get("error"):
+                out["errors"][v] = r["error"]
+    walls = out["wall_s"]
+    if DCORE in walls and SYNC in walls:
+        out["dcore_over_sync"] = walls[DCORE] / walls[SYNC]
+        out["target_met"] = out["dcore_over_sync"] <= SEED_SYNC_TARGET
+    if DCORE in walls and DASK in walls:
+        out["dcore_over_dask"] = walls[DCORE] / walls[DASK]
+    results = set(out["results"].values())
+    out["results_equal"] = len(results) == 1 if results else None
+    return out
+
+
+def render_seed_summary(summary: dict | None) -> list:
+    if not summary:
+        return []
+    walls, errors = summary["wall_s"], summary["errors"]
+
+    def wall(v):
+        return f"{walls[v]:.1f} s" if v in walls else errors.get(v, "not run")[:40]
+
+    lines = [f"  seed wall: distributed-core {wall(DCORE)}, dask sync {wall(SYNC)}, "
+             f"dask.distributed {wall(DASK)}"]
+    ratio = summary.get("dcore_over_sync")
+    if ratio is not None:
+        verdict = "met" if summary["target_met"] else "MISSED"
+        lines.append(f"  dcore / sync = {ratio:.2f} (target <= {SEED_SYNC_TARGET}) {verdict}"
+                     + (f";  dcore / dask.distributed = {summary['dcore_over_dask']:.2f}"
+                        if summary.get("dcore_over_dask") is not None else ""))
+    if summary["results_equal"] is not None:
+        lines.append("  results: " + ("equal " if summary["results_equal"] else "DIFFER ")
+                     + ", ".join(f"{v} {r}" for v, r in summary["results"].items()))
+    return lines
 
 
 def _cell(entry: dict, v: str) -> str:
@@ -633,6 +731,9 @@ def main(argv=None) -> int:
                         help="seconds each system gets on the seed workload (300; quick 90)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for the whole suite (1140; --quick 170)")
+    parser.add_argument("--only", metavar="CELLS",
+                        help="run only these cells, comma-separated (e.g. 'seed', "
+                             "'map,tree'; a name before '_' selects all its sizes)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--chart-from", metavar="JSON",
                         help="reprint the table and targets of a results file and redraw "
@@ -663,7 +764,8 @@ def main(argv=None) -> int:
     env_pure = dict(env, DISTRIBUTED_CORE_PURE="1")
     dask_env = e2e.base_env([HERE])
     dask_env.pop("DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION", None)
-    envs = {DCORE: env, DCORE_PURE: env_pure, DASK: dask_env, DASK_NOQ: dask_env}
+    envs = {DCORE: env, DCORE_PURE: env_pure, DASK: dask_env, DASK_NOQ: dask_env,
+            SYNC: dask_env}
     vers = e2e.versions()
     header = {"date": started.isoformat(timespec="seconds"), "machine": machine_label(),
               "platform": platform.platform(), "distributed_core": core_info,
@@ -691,11 +793,15 @@ def main(argv=None) -> int:
     print("  5: scheduler RSS after N tasks wait on one running sleep(600) task, minus "
           "before, / N; tracemalloc: core.py's measure_held (state alone, keys excluded)")
     print("  6: bytes/task = (scheduler peak RSS - RSS before) / tasks received")
+    seed = seed_summary(raw)
+    if seed:
+        print("\nissue 14 target 1, the seed against dask's in-process sync scheduler")
+        print("\n".join(render_seed_summary(seed)))
     targets = check_targets(rows)
     print("\ntargets of issue 6 (distributed-core vs dask.distributed, reported, not asserted)")
     print("\n".join(targets))
     doc = {"header": header, "rows": rows, "raw": raw, "table": lines, "targets": targets,
-           "elapsed_s": elapsed}
+           "seed": seed, "elapsed_s": elapsed}
     if not args.no_save:
         saved = e2e.save_results("compare", doc, started, args.quick)
         png = draw_chart(rows, header, os.path.join(RESULTS_DIR, "compare.png"))
