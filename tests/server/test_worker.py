@@ -275,7 +275,8 @@ def test_pandas_results_are_sized_from_their_arrays_as_dask_sizes_them():
     assert sizeof(piece) < sizeof(frame) / 5
     # object values are sampled, as dask does (not counted as 8-byte pointers)
     objects = pd.DataFrame({"o": [f"n{i}" for i in range(n)]}, dtype=object)
-    python_strings = pd.DataFrame({"s": pd.array(["abc"] * n, dtype="string[python]")})
+    python_strings = pd.DataFrame({"s": pd.array([f"s{i}" for i in range(n)],
+                                                 dtype="string[python]")})
     for value in (objects, objects["o"], python_strings):
         ours, dasks = sizeof(value), dask_sizeof(value)
         assert ours > n * 40 and abs(ours - dasks) < 0.2 * dasks, (type(value), ours, dasks)
