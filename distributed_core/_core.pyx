@@ -71,9 +71,6 @@ _INT32_MAX = 2 ** 31 - 1
 # Every task counts at least this long in a worker's occupancy: the scheduling overhead
 # of a task. It bounds how many tiny tasks the queue horizon lets a worker hold.
 _MIN_TASK_ESTIMATE = 0.0005
-#: Bytes per second a worker is assumed to fetch inputs at, when placement weighs the
-#: inputs a worker lacks against how busy it is (dask's default).
-TRANSFER_BANDWIDTH = 100e6
 _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 _LAYER_CACHE_SIZE = 10_000  # layer names (key[0] of tuple keys) remembered at most
@@ -2270,31 +2267,26 @@ class SchedulerState:
     def _decide_worker(self, ts: TaskState) -> WorkerState:
         """The worker to run ``ts`` now, or None.
 
-        Tasks with inputs go to the valid worker holding some of them where they would
-        start soonest: its estimated occupancy per thread plus the time to fetch the
-        input bytes it lacks at `TRANSFER_BANDWIDTH` (dask's objective), ties to the
-        one holding more bytes; only when no holder is valid, to any valid worker.
-        Tasks without inputs go to the least busy worker with a free slot (any valid
-        worker when restricted).
+        Tasks with inputs go to the valid worker holding most of their input bytes,
+        ties broken by estimated occupancy per thread. Tasks without inputs go to the
+        least busy worker with a free slot (any valid worker when restricted).
         """
         ws: WorkerState
         best: WorkerState = None
         dep: TaskState
         loose: cython.bint = ts.options is not None and ts.options.loose
-        total: cython.Py_ssize_t = 0
         if ts.dependencies:
             local = {}
             for dep in ts.dependencies:
-                total += max(dep.nbytes, 0)
                 if dep.who_has is not None:
                     for ws in dep.who_has:
                         local[ws] = local.get(ws, 0) + max(dep.nbytes, 0)
             for strict in (True, False):
                 if not strict and not loose:
                     break
-                best = self._best_by_bytes(ts, local, total, True, strict)
+                best = self._best_by_bytes(ts, local, True, strict)
                 if best is None:
-                    best = self._best_by_bytes(ts, local, total, False, strict)
+                    best = self._best_by_bytes(ts, local, False, strict)
                 if best is not None:
                     break
             return best
@@ -2306,22 +2298,20 @@ class SchedulerState:
         return best
 
     @cython.cfunc
-    def _best_by_bytes(self, ts: TaskState, local: dict, total: cython.Py_ssize_t,
-                       holders_only: cython.bint, strict: cython.bint) -> WorkerState:
+    def _best_by_bytes(self, ts: TaskState, local: dict, holders_only: cython.bint,
+                       strict: cython.bint) -> WorkerState:
         ws: WorkerState
         best: WorkerState = None
         best_bytes: cython.Py_ssize_t = -1
-        best_start: cython.double = 0.0
-        start: cython.double
+        best_load: cython.double = 0.0
         candidates = local if holders_only else self.workers.values()
         for ws in candidates:
             if ws.status != WORKER_RUNNING or not self._worker_fits(ws, ts, strict):
                 continue
             nbytes: cython.Py_ssize_t = local.get(ws, 0)
-            start = ws.occupancy / ws.nthreads + (total - nbytes) / TRANSFER_BANDWIDTH
-            if best is None or start < best_start or (start == best_start
-                                                      and nbytes > best_bytes):
-                best, best_bytes, best_start = ws, nbytes, start
+            load: cython.double = ws.occupancy / ws.nthreads
+            if nbytes > best_bytes or (nbytes == best_bytes and load < best_load):
+                best, best_bytes, best_load = ws, nbytes, load
         return best
 
     @cython.cfunc
