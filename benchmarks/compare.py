@@ -561,8 +561,8 @@ def seed_summary(raw: dict) -> dict | None:
         out["target_met"] = out["dcore_over_sync"] <= SEED_SYNC_TARGET
     if DCORE in walls and DASK in walls:
         out["dcore_over_dask"] = walls[DCORE] / walls[DASK]
-    results = set(out["results"].values())
-    out["results_equal"] = len(results) == 1 if results else None
+    results = set(out["results"].values())  # None unless two or more finished
+    out["results_equal"] = len(results) == 1 if len(out["results"]) > 1 else None
     return out
 
 
