@@ -156,11 +156,15 @@ class GraphSender:
         between. Slice sizes follow the time from sending a slice to that answer (which
         covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier
         keys are wanted only until their last dependent is sent
-        (`dask_support.SlicePart`). Failures fail the new keys.
+        (`dask_support.SlicePart`). A failure (a slice that cannot be
+        pickled, a refused slice, a lost connection) fails the new keys and leaves
+        nothing of the graph on the scheduler (`_give_up`).
         """
         client = self.client
         conn = client._conn
         temporary: set = set()
+        sent: set = set()  # keys sent so far (wanted, or frontier)
+        n_tasks_sent = 0
         try:
             await turn.wait(client._loop)  # what was queued before this graph goes first
             refusals = client._refusals
@@ -180,6 +184,8 @@ class GraphSender:
                 client._check_running()
                 conn.send_now({"op": "update-graph", "tasks": part.tasks, "keys": part.keys})
                 sent_at, n_sent = time.monotonic(), len(part.tasks)
+                sent.update(part.keys)
+                n_tasks_sent += n_sent
                 temporary.update(part.temporary)
                 if part.release:
                     temporary.difference_update(part.release)
@@ -191,9 +197,7 @@ class GraphSender:
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
                 f"sending the graph was interrupted: {exc!r}")
-            for state in created:
-                if state.status == PENDING:
-                    state.fail(functools.partial(_same_error, error), None)
+            _give_up(client, created, sent, error, n_tasks_sent, len(plan.sequence))
             raise
         finally:
             if temporary:
@@ -213,6 +217,26 @@ def _encode(plan):
     """
     with dask_support.gc_paused():
         return plan.encode_next()
+
+
+def _give_up(client, created: list, sent: set, error: BaseException, n_sent: int,
+             n_tasks: int) -> None:
+    """Sending a graph failed part way: its new keys fail with ``error`` and are no
+    longer tracked (a result of an earlier slice arriving later cannot turn a failed
+    future into a finished one), and the scheduler is told to release those it had
+    received; frontier keys are released by the caller."""
+    released = []
+    for state in created:
+        if state.status == PENDING:
+            state.fail(functools.partial(_same_error, error), None)
+            if client._detach(state) and state.key in sent:
+                released.append(state.key)
+    if released:
+        client._release_temporary(released)
+    if n_sent and isinstance(error, Exception):
+        error.add_note(f"distributed-core: sending the graph failed after {n_sent:,} of "
+                       f"{n_tasks:,} tasks had gone to the scheduler; those were "
+                       f"released, and every future of the graph fails with this error")
 
 
 def _futures_scheduler(sender: GraphSender, options: dict, dsk, keys, **kwargs) -> list:
