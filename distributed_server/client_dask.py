@@ -29,7 +29,7 @@ import time
 
 from . import dask_support
 from .client_comm import GraphTurn, log_background_failure
-from .futures import PENDING, GraphRefusedError, SchedulerConnectionError
+from .futures import FINISHED, PENDING, GraphRefusedError, SchedulerConnectionError
 from .taskspec import _flatten_keys, _LegacyGraph, _wire_spec
 
 __all__ = ["GraphSender"]
@@ -221,13 +221,14 @@ def _encode(plan):
 
 def _give_up(client, created: list, sent: set, error: BaseException, n_sent: int,
              n_tasks: int) -> None:
-    """Sending a graph failed part way: its new keys fail with ``error`` and are no
-    longer tracked (a result of an earlier slice arriving later cannot turn a failed
-    future into a finished one), and the scheduler is told to release those it had
-    received; frontier keys are released by the caller."""
+    """Sending a graph failed part way: all its new keys fail with ``error``, those of
+    earlier slices that finished meanwhile too (the graph is all or nothing), and are
+    no longer tracked (a result arriving later cannot turn a failed future into a
+    finished one); the scheduler is told to release those it had received. Frontier
+    keys are released by the caller."""
     released = []
     for state in created:
-        if state.status == PENDING:
+        if state.status in (PENDING, FINISHED):  # (finished: from an earlier slice)
             state.fail(functools.partial(_same_error, error), None)
             if client._detach(state) and state.key in sent:
                 released.append(state.key)
