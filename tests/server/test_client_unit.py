@@ -421,6 +421,21 @@ def test_map_sends_a_shared_function_and_constants_once(scheduler, client, monke
     assert sorted(released) == shared
 
 
+def test_map_shares_constants_with_rows_that_need_the_general_path(scheduler, client):
+    """Rows holding lists and futures take `_TaskEncoder.task`; the shared constant
+    still goes once and every task depends on it (and on its own futures)."""
+    const = b"C" * 5000
+    xs = client.map(inc, range(4))
+    futures = client.map(combine, [[i] for i in range(4)], xs, [const] * 4)
+    assert client.gather(futures) == [i + 1 + 1 + 5000 for i in range(4)]
+    (graph,) = [g for g in scheduler.sent("update-graph") if len(g["tasks"]) == 4][1:]
+    (shared,) = [t["key"] for g in scheduler.sent("update-graph") for t in g["tasks"]
+                 if t["key"].startswith("shared-")]
+    assert sum(const in bytes(t["spec"]) for g in scheduler.sent("update-graph")
+               for t in g["tasks"]) == 1
+    assert [sorted(t["deps"]) for t in graph["tasks"]] == [sorted([x.key, shared]) for x in xs]
+
+
 def test_map_of_one_task_or_small_values_shares_nothing(scheduler, client):
     assert client.gather(client.map(combine, [b"t"], [1], [b"c" * 5000])) == [5002]
     assert client.gather(client.map(combine, [b"t", b"u"], [1, 2], [b"c", b"c"])) == [3, 4]
