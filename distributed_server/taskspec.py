@@ -33,10 +33,14 @@ from .serialize import Call, TaskRef, dumps_spec
 
 #: Task specs larger than this travel as an out-of-band Blob.
 SPEC_BLOB_BYTES = 64 * 1024
-#: In `map`, a function or a constant argument (the same object in every task, or a
-#: ``map`` keyword) whose pickle is at least this large is sent once, as a task of its
-#: own that every task depends on (`_MapEncoder`).
+#: In `map`, a constant argument (the same object in every task, or a ``map``
+#: keyword) whose pickle is at least this large is sent once, as a task of its own that
+#: every task depends on (`_MapEncoder`).
 SHARE_MIN_BYTES = 512
+#: The same for the function: a function pickled by value (defined in ``__main__``, a
+#: lambda, a closure) is 300 bytes or more, and costs a worker ~8 us to rebuild per
+#: task; one pickled by reference is a module and a name (under 100 bytes).
+SHARE_FUNCTION_MIN_BYTES = 256
 
 
 _ATOMIC = frozenset({int, float, complex, bool, str, bytes, type(None), TaskRef})
@@ -240,9 +244,9 @@ class _MapEncoder:
     """The tasks of one `Client.map` call: shared values first, then one task per row.
 
     Sharing: with at least two tasks, the function (if its pickle is at least
-    `SHARE_MIN_BYTES`), every argument column that holds one and the same object in
-    every row, and every ``map`` keyword argument (the same in every task by
-    definition) whose pickle is at least that large are each pickled once into a
+    `SHARE_FUNCTION_MIN_BYTES`), and every argument column that holds one and the same
+    object in every row and every ``map`` keyword argument (the same in every task by
+    definition) whose pickle is at least `SHARE_MIN_BYTES` are each pickled once into a
     task of their own, ``shared-<type>-<hash of the pickle>``, which computes the value
     (``Call(_identity, (value,))``). The tasks refer to it by a TaskRef and depend on it,
     so it travels to the scheduler once, is decoded once per worker (a worker that did
@@ -268,7 +272,7 @@ class _MapEncoder:
     def _share(self) -> None:
         encoder = self.encoder
         payload = encoder.func.payload
-        if len(payload) >= SHARE_MIN_BYTES:
+        if len(payload) >= SHARE_FUNCTION_MIN_BYTES:
             spec = pickle.dumps(Call(_identity, (encoder.func,)), protocol=5)
             key = self._shared_task(f"shared-{encoder.prefix}", spec)
             encoder.share_function(key)
