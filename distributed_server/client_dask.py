@@ -23,6 +23,7 @@ What it uses of its client: the key table (`Client._hold_graph`, `_hold_present`
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -33,6 +34,10 @@ from .futures import FINISHED, PENDING, GraphRefusedError, SchedulerConnectionEr
 from .taskspec import _flatten_keys, _LegacyGraph, _wire_spec
 
 __all__ = ["GraphSender"]
+
+#: Slices of a graph sent and not yet answered at most: the next one goes while the
+#: scheduler takes in the previous one.
+SLICES_IN_FLIGHT = 2
 
 logger = logging.getLogger("distributed_server.client")
 
@@ -151,10 +156,12 @@ class GraphSender:
         """Send a planned dask graph: slice by slice, one update-graph at a time.
 
         The next slice is pickled while the scheduler takes in the previous one; a
-        ``who-has`` request after each slice paces the sending, so the scheduler handles
-        one slice per turn of its event loop and serves heartbeats and other clients in
-        between. Slice sizes follow the time from sending a slice to that answer (which
-        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier
+        ``who-has`` request after each slice paces the sending: at most
+        `SLICES_IN_FLIGHT` slices are unanswered, so the scheduler serves heartbeats and
+        other clients in between, and it never waits for the client's next slice while
+        the client waits for its answer. Slice sizes follow the time from sending a
+        slice to that answer (over the slices in flight; it covers pickling the next
+        one), aiming at `dask_support.SLICE_SECONDS`. Frontier
         keys are wanted only until their last dependent is sent
         (`dask_support.SlicePart`). A failure (a slice that cannot be
         pickled, a refused slice, a lost connection) fails the new keys and leaves
@@ -168,16 +175,16 @@ class GraphSender:
         try:
             await turn.wait(client._loop)  # what was queued before this graph goes first
             refusals = client._refusals
-            ack = None
-            sent_at, n_sent = 0.0, 0
+            acks: collections.deque = collections.deque()  # (reply, sent at, tasks)
             part = _encode(plan)
             while True:
-                if ack is not None:
+                while len(acks) >= SLICES_IN_FLIGHT:
+                    ack, sent_at, n_sent = acks.popleft()
                     await ack
                     taken = time.monotonic() - sent_at
                     logger.debug("graph slice of %d tasks taken in by the scheduler "
                                  "in %.1f ms", n_sent, 1e3 * taken)
-                    plan.adapt(n_sent, taken)
+                    plan.adapt(n_sent, taken / SLICES_IN_FLIGHT)
                     if client._refusals != refusals:
                         raise GraphRefusedError("the scheduler refused part of the "
                                                 "graph; the rest was not sent")
@@ -192,7 +199,7 @@ class GraphSender:
                     client._release_temporary(part.release)
                 if plan.done:
                     break
-                ack = conn.ping()
+                acks.append((conn.ping(), sent_at, n_sent))
                 part = _encode(plan)  # while the scheduler takes it in
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
