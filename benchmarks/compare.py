@@ -8,7 +8,7 @@ one PNG chart::
 
     pip install ".[bench]"
     python benchmarks/compare.py --quick      # < 4 minutes
-    python benchmarks/compare.py              # the whole suite, < 20 minutes on 2 cores
+    python benchmarks/compare.py              # the whole suite, < 25 minutes on 2 cores
     python benchmarks/compare.py --only seed  # one cell (its full size; with --quick, quick)
 
 Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
@@ -30,14 +30,20 @@ Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
      (VmHWM), bytes per task ((peak - RSS before) / tasks), intake time (compute() until
      the scheduler has taken the whole graph in), wall time. Each system gets a time
      limit (``--seed-limit``, 300 s [60 s]); past it the run is reported as "did not
-     finish in N s" with what was measured until then. Beside them, the same collection
-     computed in one process by dask's ``scheduler="sync"`` (issue 14 target 1:
-     distributed-core's wall at most 0.75x of it); the results must agree.
+     finish in N s" with what was measured until then.
+     Also: time from compute() to the first task finishing (streaming intake: the
+     scheduler starts the first slice's ready tasks while the rest is still being
+     converted and sent), from the workers' task stream. Beside them, the same
+     collection computed in one process by dask's ``scheduler="sync"`` (issue 14
+     target 1: distributed-core's wall at most 0.75x of it); the results must agree.
   7  scheduler CPU per task (user+sys of the scheduler process) on 1-3 (and 6)
   8  the interpreted core (``DISTRIBUTED_CORE_PURE=1``) on 1 (map 1x1), 3 and 5
+  9  the client's cost of ``client.map(noop, range(N))``, N = 1,000,000 [100,000], 1x1:
+     wall time until map returns and the CPU time of the calling thread, per task (the
+     cluster is killed once map returned; the tasks' execution is not measured here)
 
 Every run is a subprocess in its own session, killed with everything it started at its
-timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1140 [240])
+timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1440 [260])
 are used up and reports what it skipped. Workloads 1-4 run ``--repeat`` times (2 [1]) in
 rounds, every workload once before any repeat; a repeat starts only if its first run's
 time still fits the budget.
@@ -172,6 +178,41 @@ def child_held(spec: dict, system) -> dict:
             "bytes_per_task": (rss1 - rss0) / n, "intake_s": intake}
 
 
+def child_mapcost(spec: dict, system) -> dict:
+    """Workload 9: what ``client.map`` of N no-op tasks costs the client until it
+    returns (wall, and CPU of the calling thread)."""
+    from _e2e_tasks import noop
+
+    client = system.client
+    e2e.run_map(client, 200, 10 ** 8)  # warm up
+    n = spec["n"]
+    t0, c0 = time.perf_counter(), time.thread_time()
+    futures = client.map(noop, range(n))
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    assert len(futures) == n
+    return {"tasks": n, "map_wall_us": 1e6 * wall / n, "map_cpu_us": 1e6 * cpu / n}
+
+
+def _second_client(system):
+    """Another distributed-core client of the same cluster (its own connection)."""
+    from distributed_server.client import Client
+
+    return Client(system.cluster, set_as_default=False, timeout=60)
+
+
+def _first_task_stop(tasks: list):
+    """The earliest stop time (seconds since the epoch) in a task stream of either
+    system (dcore: ``stop``; dask: ``startstops``)."""
+    stops = []
+    for task in tasks:
+        if task.get("stop") is not None:
+            stops.append(task["stop"])
+        for ss in task.get("startstops") or ():
+            if ss.get("action") == "compute":
+                stops.append(ss["stop"])
+    return min(stops) if stops else None
+
+
 def child_tracemalloc(spec: dict) -> dict:
     import core  # benchmarks/core.py
 
@@ -200,6 +241,7 @@ def child_seed(spec: dict, system) -> dict:
         e2e.wait_until_forgotten(system)
         counter = _count_dcore_tasks(client) if spec["system"] == DCORE else None
         collection = seed_collection(spec["start"], spec["end"])
+        client.get_task_stream(start=time.time())  # (dask: starts recording it)
         rss0 = system.scheduler.memory_info().rss
         sched0 = e2e.cpu_seconds([system.scheduler])
         intake: dict = {}
@@ -225,8 +267,27 @@ def child_seed(spec: dict, system) -> dict:
             except Exception as exc:  # noqa: BLE001 - reported
                 intake["error"] = repr(exc)
 
+        first: dict = {}
+        # dcore: a client's requests queue behind the graph it is sending, so another
+        # client asks (dask's client answers while its graph is in)
+        poller = _second_client(system) if spec["system"] == DCORE else client
+
+        def wait_first_task():
+            # the task streams keep the last 100,000 tasks: poll early
+            try:
+                while time.perf_counter() < t0 + limit:
+                    stop = _first_task_stop(poller.get_task_stream(start=since))
+                    if stop is not None:
+                        first["s"] = stop - since
+                        return
+                    time.sleep(0.2)
+            except Exception as exc:  # noqa: BLE001 - reported
+                first["error"] = repr(exc)
+
         watcher = threading.Thread(target=wait_intake, daemon=True)
         watcher.start()
+        first_watcher = threading.Thread(target=wait_first_task, daemon=True)
+        first_watcher.start()
         deadline = t0 + limit
         while time.perf_counter() < deadline and not future.done():
             time.sleep(0.05)
@@ -236,6 +297,12 @@ def child_seed(spec: dict, system) -> dict:
             out["finished"] = True
             out["result"] = int(result)
         watcher.join(max(deadline - time.perf_counter(), 0.1))
+        first_watcher.join(max(deadline - time.perf_counter(), 0.1))
+        if poller is not client and not first_watcher.is_alive():
+            poller.close()
+        out["first_task_s"] = first.get("s")
+        if first.get("error"):
+            out["first_task_error"] = first["error"]
         out["sched_cpu_s"] = e2e.cpu_seconds([system.scheduler]) - sched0
         out["peak_rss_mb"] = _peak_rss(system.scheduler.pid) / 2 ** 20
         out["rss_before_mb"] = rss0 / 2 ** 20
@@ -299,10 +366,13 @@ def child_main(spec: dict) -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="compare-") as logdir:
             system = _system(spec, logdir)
-            run = {"array": child_array, "held": child_held, "seed": child_seed}[kind]
+            run = {"array": child_array, "held": child_held, "seed": child_seed,
+                   "mapcost": child_mapcost}[kind]
             result = run(spec, system)
             result.update(system.info)
             print(RESULT_MARK + json.dumps(result), flush=True)
+            if kind == "mapcost":  # N tasks still to run: the parent kills the session
+                os._exit(0)
             # a dask scheduler still busy with a graph may not close gracefully: the
             # parent kills this process's session, cluster included
             if kind == "seed" and not result.get("finished"):
@@ -339,10 +409,11 @@ def sizes(args) -> dict:
         "chunks": 1_000 if q else 20_000,
         "held": [20_000] if q else [100_000, 200_000],
         "seed": ("2020-01-01", "2020-03-01") if q else ("2020", "2021"),
+        "mapcost_n": 100_000 if q else 1_000_000,
         "seed_limit": args.seed_limit or (60.0 if q else 300.0),
         "repeat": args.repeat or (1 if q else 2),
         "timeout": 120.0 if q else 300.0,
-        "budget": args.budget or (240.0 if q else 1140.0),
+        "budget": args.budget or (260.0 if q else 1440.0),
     }
 
 
@@ -371,15 +442,16 @@ def plan(args, s: dict) -> list:
         cells.append((f"held_{n}", "held", {"workers": 1, "n": n, "limit": s["timeout"] - 60},
                       more, 1))
         cells.append((f"tracemalloc_{n}", "tracemalloc", {"n": n}, [DCORE, DCORE_PURE], 1))
-    if args.only:
-        wanted = {c.strip() for c in args.only.split(",") if c.strip()}
-        cells = [c for c in cells if c[0] in wanted or c[0].split("_")[0] in wanted]
+    cells.append(("mapcost", "mapcost", {"workers": 1, "n": s["mapcost_n"]}, [DCORE, DASK], 1))
     return cells
 
 
 def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
     raw: dict = {}
     cells = plan(args, s)
+    if getattr(args, "only", None):
+        only = set(args.only.split(","))
+        cells = [c for c in cells if c[0] in only]
     took: dict = {}  # (cell, variant) -> seconds its first run took
     # rounds: every workload once before any is repeated, so a tight budget costs
     # repeats, not workloads; a repeat starts only if its first run's time still fits,
@@ -395,6 +467,8 @@ def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
                     wanted = extra["limit"] + 120
                 elif kind == "tracemalloc":
                     wanted = 120
+                elif kind == "mapcost":  # dask's 1,000,000-task map took > 300 s once
+                    wanted = 90 if args.quick else 180
                 else:
                     wanted = s["timeout"]
                 # every system gets the seed's whole limit (it runs first), so its
@@ -434,11 +508,15 @@ def _brief(kind: str, r: dict) -> str:
         return text + ("  " + r["error"] if r.get("error") else "")
     if kind in ("held", "tracemalloc") and r.get("bytes_per_task") is not None:
         return f"{r['bytes_per_task']:,.0f} B/task"
+    if kind == "mapcost" and r.get("map_cpu_us") is not None:
+        return f"map returned after {r['map_wall_us']:.2f} us/task, " \
+               f"{r['map_cpu_us']:.2f} us/task CPU"
     if kind == "seed" and "limit_s" in r:
         wall = f"wall {r['wall_s']:.1f} s" if r.get("finished") else r.get("error")
         if "peak_rss_mb" not in r:  # dask's sync scheduler: no cluster
             return f"result {r.get('result')}, {wall}"
         return f"{r.get('tasks')} tasks, intake {_f(r.get('intake_s'), '.1f')} s, " \
+               f"first task {_f(r.get('first_task_s'), '.1f')} s, " \
                f"peak RSS {r['peak_rss_mb']:.0f} MB, {wall}, result {r.get('result')}"
     return r.get("error", "?")
 
@@ -512,6 +590,8 @@ def build_rows(raw: dict, s: dict) -> list:
     sname = f"timeseries {start}..{end} shuffle"
     row("6", sname, seed, "tasks", "tasks", True, label="tasks received", partial=True)
     row("6", sname, seed, "intake_s", "s", False, label="intake s", fmt=".1f", partial=True)
+    row("6", sname, seed, "first_task_s", "s", False, label="first task done s", fmt=".1f",
+        partial=True)
     row("6", sname, seed, "wall_s", "s", False, label="wall s", fmt=".1f")
     row("6", sname, seed, "peak_rss_mb", "MB", False, label="sched peak RSS MB", partial=True)
     row("6", sname, seed, "bytes_per_task", "B/task", False, label="sched B/task", partial=True)
@@ -522,6 +602,12 @@ def build_rows(raw: dict, s: dict) -> list:
             row("7", name, cell, "sched_cpu_us", "us/task", False,
                 label="sched CPU us/task", fmt=",.1f",
                 pure=cell in ("map_1x1", "array_2x1"))
+    if "mapcost" in raw:
+        mname = f"client.map {s['mapcost_n']:,} no-op, 1x1"
+        row("9", mname, "mapcost", "map_wall_us", "us/task", False,
+            label="until map returns us/task", fmt=".2f")
+        row("9", mname, "mapcost", "map_cpu_us", "us/task", False,
+            label="client CPU us/task", fmt=".2f")
     # the seed: a system that did not finish is slower than its limit
     for entry in rows:
         if entry["cell"] == seed and entry["field"] == "wall_s":
@@ -668,6 +754,36 @@ def check_targets(rows: list) -> list:
     return out
 
 
+def check_intake_targets(rows: list) -> list:
+    """Lines: issue 14's intake target (2) against the rows (reported, never asserted):
+    map at most 5 us per task on the client, the seed's intake at most half of dask's,
+    and the first task done well before the intake ends (streaming)."""
+    found = {(e["cell"], e["field"]): e for e in rows}
+    out = []
+    for field, text in (("map_cpu_us", "client CPU"), ("map_wall_us", "until map returns")):
+        e = found.get(("mapcost", field))
+        if e is None or e["values"].get(DCORE) is None:
+            continue
+        a, b = e["values"][DCORE], e["values"].get(DASK)
+        versus = f", dask {b:.2f} ({b / a:.1f}x)" if b else ""
+        verdict = "met" if a <= 5.0 else f"MISSED by {a / 5.0:.1f}x"
+        out.append(f"  map {text} <= 5 us/task: {a:.2f} us/task{versus}  {verdict}")
+    e = found.get(("seed", "intake_s"))
+    if e is not None and e["values"].get(DCORE) and e["values"].get(DASK):
+        a, b = e["values"][DCORE], e["values"][DASK]
+        verdict = "met" if a <= b / 2 else f"MISSED by {a / (b / 2):.1f}x"
+        out.append(f"  seed intake <= 1/2 of dask's: {a:.1f} s vs {b:.1f} s "
+                   f"({a / b:.2f}x)  {verdict}")
+    f = found.get(("seed", "first_task_s"))
+    if f is not None and e is not None:
+        for v in (DCORE, DASK):
+            first, intake = f["values"].get(v), e["values"].get(v)
+            if first is not None and intake:
+                out.append(f"  {v}: first task done {first:.1f} s after compute(), intake "
+                           f"{intake:.1f} s ({first / intake:.0%} of it)")
+    return out
+
+
 def machine_label() -> str:
     import core  # benchmarks/core.py
 
@@ -732,10 +848,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed-limit", type=float, default=None,
                         help="seconds each system gets on the seed workload (300; quick 60)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole suite (1140; --quick 240)")
+                        help="seconds for the whole suite (1440; --quick 260)")
     parser.add_argument("--only", metavar="CELLS",
-                        help="run only these cells, comma-separated (e.g. 'seed', "
-                             "'map,tree'; a name before '_' selects all its sizes)")
+                        help="run only these cells (comma-separated ids, e.g. seed,mapcost)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--chart-from", metavar="JSON",
                         help="reprint the table and targets of a results file and redraw "
@@ -802,6 +917,11 @@ def main(argv=None) -> int:
     targets = check_targets(rows)
     print("\ntargets of issue 6 (distributed-core vs dask.distributed, reported, not asserted)")
     print("\n".join(targets))
+    intake_targets = check_intake_targets(rows)
+    if intake_targets:
+        print("\nissue 14, target 2 (streaming intake; reported, not asserted)")
+        print("\n".join(intake_targets))
+    targets += intake_targets
     doc = {"header": header, "rows": rows, "raw": raw, "table": lines, "targets": targets,
            "seed": seed, "elapsed_s": elapsed}
     if not args.no_save:

@@ -55,7 +55,8 @@ def substitute(obj, data: dict):
 
 
 class Call:
-    """``func(*args, **kwargs)``, with TaskRefs and nested Calls in the arguments."""
+    """``func(*args, **kwargs)``, with TaskRefs and nested Calls in the arguments;
+    ``func`` itself may be a TaskRef (a function shared by many tasks)."""
 
     __slots__ = ("func", "args", "kwargs")
 
@@ -65,10 +66,13 @@ class Call:
         self.kwargs = kwargs or None
 
     def __call__(self, data: dict):
+        func = self.func
+        if type(func) is TaskRef:  # a function shared by the tasks of a map
+            func = data[func.key]
         args = [substitute(a, data) for a in self.args] if self.args else ()
         if self.kwargs:
-            return self.func(*args, **substitute(self.kwargs, data))
-        return self.func(*args)
+            return func(*args, **substitute(self.kwargs, data))
+        return func(*args)
 
     def __reduce__(self):
         return (Call, (self.func, self.args, self.kwargs))
