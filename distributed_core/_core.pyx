@@ -27,7 +27,11 @@ Rules of this module (everything that decides a task's state lives in this file)
   needed and set back to ``None`` when done; tiny, rarely changing ones (who holds a
   result, who wants it) are tuples, and so are a task's dependents while they are few;
   counters stand in for sets where only the count matters (``n_waiting_on``,
-  ``n_waiters``).
+  ``n_waiters``). Tasks of one graph with the same inputs share one dependencies tuple.
+- Nothing grows without bound once its tasks are gone: a prefix is dropped with its last
+  task (its learned duration stays in a bounded table), and the hash tables that a big
+  graph grew (tasks, a client's wants, a worker's results, the recommendations) are
+  rebuilt at their new size once most of it is forgotten (a dict or set never shrinks).
 - The same source runs compiled by Cython and imported as plain Python.
 """
 from __future__ import annotations
@@ -74,6 +78,11 @@ _MIN_TASK_ESTIMATE = 0.0005
 _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 _LAYER_CACHE_SIZE = 10_000  # layer names (key[0] of tuple keys) remembered at most
+_DURATIONS_KEPT = 10_000  # learned durations of dropped prefixes remembered at most
+# A table is rebuilt at its size once it holds less than 1/_SHRINK_FACTOR of the most it
+# held, if that was at least _SHRINK_MIN entries.
+_SHRINK_FACTOR = 8
+_SHRINK_MIN = 4096
 _DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
 _INT64_MIN = -2 ** 63
 _INT64_MAX = 2 ** 63 - 1
@@ -720,6 +729,8 @@ class SchedulerState:
     nbytes_in_memory: cython.Py_ssize_t  # result sizes of tasks in memory, each once
     total_nthreads: cython.Py_ssize_t  # of the registered workers
     _active_prefixes: dict  # name -> TaskPrefix that has tasks held
+    _durations: dict  # name -> (duration_average, n_durations) of a dropped prefix; bounded
+    _tasks_peak: cython.Py_ssize_t  # most tasks held since the tables were last rebuilt
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
@@ -773,6 +784,8 @@ class SchedulerState:
         self.nbytes_in_memory = 0
         self.total_nthreads = 0
         self._active_prefixes = {}
+        self._durations = {}
+        self._tasks_peak = 0
         self.generation = 0
         self.queue_seq = 0
         self._recs = {}
@@ -1020,6 +1033,8 @@ class SchedulerState:
                 ts = TaskState(key, self._prefix_for(key), None)
                 self.tasks[key] = ts
                 self._count_new(ts.prefix)
+                if len(self.tasks) > self._tasks_peak:
+                    self._tasks_peak = len(self.tasks)
             elif ts.state != RELEASED and ts.state != MEMORY:
                 self._transition(ts, RELEASED)
                 self._recs.pop(ts, None)
@@ -1627,8 +1642,9 @@ class SchedulerState:
         """Per task prefix: ``{name: {"tasks": held, "task_counts": {state: n},
         "tasks_entered": {state: n}, "nbytes_in_memory": n}}`` (as in ``counters()``).
 
-        Only prefixes that have tasks held, unless ``every``: then also those whose
-        tasks are all forgotten (the scheduler keeps a prefix for its learned duration)."""
+        Only prefixes that have tasks held: a prefix is dropped with its last task (its
+        learned duration is kept apart). ``every`` is accepted for compatibility; it
+        adds nothing, as no prefix without tasks is kept."""
         prefix: TaskPrefix
         out = {}
         for prefix in (self.prefixes if every else self._active_prefixes).values():
@@ -1646,6 +1662,25 @@ class SchedulerState:
                             "processing": len(ws.processing), "in_memory": len(ws.has_what),
                             "nbytes": ws.nbytes, "occupancy": ws.occupancy}
         return out
+
+    @cython.cfunc
+    def _shrink_tables(self) -> None:
+        """Most of what a big graph brought is forgotten: rebuild the tables it grew at
+        their size now (a dict or set never shrinks by deletion; what it held stays
+        mapped), so that the memory goes back with the tasks. O(tasks left), done once
+        per shrink by _SHRINK_FACTOR."""
+        cs: ClientState
+        ws: WorkerState
+        self.tasks = dict(self.tasks)
+        self._tasks_peak = len(self.tasks)
+        self.unrunnable = dict(self.unrunnable)
+        for cs in self.clients.values():
+            cs.wants_what = set(cs.wants_what)
+        for ws in self.workers.values():
+            ws.has_what = dict(ws.has_what)
+            ws.processing = set(ws.processing)
+        for ws in self.departing.values():
+            ws.has_what = dict(ws.has_what)
 
     @cython.cfunc
     def _n_held(self) -> cython.Py_ssize_t:
@@ -1668,6 +1703,9 @@ class SchedulerState:
     @cython.cfunc
     def _end(self) -> tuple:
         self._engine()
+        if self._tasks_peak >= _SHRINK_MIN \
+                and len(self.tasks) * _SHRINK_FACTOR < self._tasks_peak:
+            self._shrink_tables()
         if self.validate:
             self.validate_state()  # before the messages are handed out: kept if it raises
         result = (self._client_msgs, self._worker_msgs)
@@ -1694,6 +1732,8 @@ class SchedulerState:
             # Workers with room take queued tasks, most urgent first, until saturated.
             if not (self.n_queued > 0 and self.idle and self._pop_queued()):
                 break
+        if n >= _SHRINK_MIN:
+            self._recs = {}  # empty now, but its table kept the size of the peak
 
     @cython.cfunc
     def _runaway(self, ts: TaskState, finish: str, limit: cython.Py_ssize_t) -> None:
@@ -1985,7 +2025,7 @@ class SchedulerState:
         prefix: TaskPrefix = ts.prefix
         prefix.n_tasks -= 1
         if prefix.n_tasks == 0:
-            del self._active_prefixes[prefix.name]
+            self._drop_prefix(prefix)
 
     # ------------------------------------------------------------------ direct transitions
 
@@ -2063,8 +2103,25 @@ class SchedulerState:
         prefix: TaskPrefix = self.prefixes.get(name)
         if prefix is None:
             prefix = TaskPrefix(name)
+            learned = self._durations.pop(name, None)
+            if learned is not None:
+                prefix.duration_average, prefix.n_durations = learned
             self.prefixes[name] = prefix
         return prefix
+
+    @cython.cfunc
+    def _drop_prefix(self, prefix: TaskPrefix) -> None:
+        """The last task of ``prefix`` was forgotten: the prefix goes, its learned
+        duration stays (bounded: the oldest goes first) for the next tasks of that name."""
+        del self._active_prefixes[prefix.name]
+        if self.prefixes.get(prefix.name) is prefix:
+            del self.prefixes[prefix.name]
+        if self._prefix_of_name:
+            self._prefix_of_name.clear()  # no layer may lead to the dropped prefix
+        if prefix.n_durations > 0:
+            if len(self._durations) >= _DURATIONS_KEPT:
+                del self._durations[next(iter(self._durations))]
+            self._durations[prefix.name] = (prefix.duration_average, prefix.n_durations)
 
     @cython.cfunc
     def _slots_for(self, nthreads: cython.Py_ssize_t) -> cython.Py_ssize_t:
@@ -2469,6 +2526,8 @@ class SchedulerState:
         self.generation += 1
         tasks = self.tasks
         created = []
+        same_deps = None  # the last deps list, and its tuple: shared by tasks after it
+        same_tuple: tuple = _NO_DEPENDENCIES
         i: cython.Py_ssize_t
         for i, entry in enumerate(entries):
             key = entry["key"]
@@ -2488,9 +2547,14 @@ class SchedulerState:
             ts.retries = entry.get("retries") or 0
             deps = entry.get("deps")
             if deps:
-                if len(deps) > 1:
-                    deps = dict.fromkeys(deps)
-                ts.dependencies = tuple([tasks[d] for d in deps])
+                if same_deps is not None and deps == same_deps:
+                    ts.dependencies = same_tuple  # e.g. map over one future: one tuple
+                else:
+                    same_deps = deps
+                    if len(deps) > 1:
+                        deps = dict.fromkeys(deps)
+                    same_tuple = tuple([tasks[d] for d in deps])
+                    ts.dependencies = same_tuple
                 for dep in ts.dependencies:
                     dep.dependents = _with_dependent(dep.dependents, ts)
             workers = entry.get("workers")
@@ -2505,6 +2569,8 @@ class SchedulerState:
             tasks[key] = ts
             self._count_new(prefix)
             created.append(ts)
+        if len(tasks) > self._tasks_peak:
+            self._tasks_peak = len(tasks)
         return created
 
     # ------------------------------------------------------------------ validation
@@ -2610,13 +2676,10 @@ class SchedulerState:
         active = self._active_prefixes
         for name, prefix in self.prefixes.items():
             figures = by_prefix.pop(prefix, None)
-            if figures is None:  # no task held: every count zero (most prefixes; quick)
-                if prefix.n_tasks == 0 and prefix.nbytes_in_memory == 0 \
-                        and name not in active and prefix.name == name:
-                    held = prefix.counts
-                    if held[:7] == zero[:7]:
-                        continue
-                figures = zero
+            if figures is None:
+                raise InvariantError(f"{prefix!r} (registered as {name!r}) is kept with no "
+                                     f"task held (counted {prefix.n_tasks}); active: "
+                                     f"{name in active}")
             held = prefix.counts
             if (held[:7] != figures[:7] or prefix.nbytes_in_memory != figures[7]
                     or prefix.n_tasks != sum(figures[:7]) or prefix.name != name
@@ -2632,8 +2695,11 @@ class SchedulerState:
                                      f"only {entered} entered them")
         if by_prefix:
             raise InvariantError(f"tasks have unregistered prefixes: {list(by_prefix)[:3]}")
-        if len(self._active_prefixes) > len(self.prefixes):
-            raise InvariantError("more active prefixes than prefixes")
+        if len(self._active_prefixes) != len(self.prefixes):
+            raise InvariantError(f"{len(self._active_prefixes)} active prefixes, "
+                                 f"{len(self.prefixes)} registered")
+        if len(self._durations) > _DURATIONS_KEPT:
+            raise InvariantError(f"{len(self._durations)} durations kept")
         if self.total_nthreads != sum([ws.nthreads for ws in self.workers.values()]):
             raise InvariantError(f"counted {self.total_nthreads} threads")
 
