@@ -79,6 +79,7 @@ _MIN_TASK_ESTIMATE = 0.0005
 _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 _LAYER_CACHE_SIZE = 10_000  # layer names (key[0] of tuple keys) remembered at most
+_SUSPICIOUS_MAX = 2 ** 15 - 1  # TaskState.suspicious is 16 bits
 _DURATIONS_KEPT = 10_000  # learned durations of dropped prefixes remembered at most
 # A table is rebuilt at its size once it holds less than 1/_SHRINK_FACTOR of the most it
 # held, if that was at least _SHRINK_MIN entries.
@@ -244,13 +245,14 @@ class WorkerState:
 @cython.final
 @cython.cclass
 class TaskOptions:
-    """What few tasks have: placement restrictions and annotations (kept off TaskState,
-    which stays small for the many tasks without them)."""
+    """What few tasks have: placement restrictions, annotations and an error (kept off
+    TaskState, which stays small for the many tasks without them)."""
 
     workers: Optional[frozenset]  # addresses or names it may run on
     resources: Optional[dict]  # name -> quantity it needs on its worker
     loose: cython.bint  # may run elsewhere if no allowed worker exists
     annotations: Optional[dict]
+    error: Optional[tuple]  # TaskState.error
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -261,6 +263,7 @@ class TaskOptions:
         self.resources = resources
         self.loose = loose
         self.annotations = annotations
+        self.error = None
 
     @property
     def restricted(self) -> bool:
@@ -286,11 +289,11 @@ class TaskState:
     is dropped cuts the links of the tasks it still holds.
     """
 
-    # Compiled, this is 160 bytes a task: 32-bit counters (update_graph checks the
-    # ranges), and the rarely set fields in one optional TaskOptions.
+    # Compiled, this is 144 bytes a task (a pymalloc size class): 32- and 16-bit
+    # counters (update_graph checks the ranges), and the rarely set fields (restrictions,
+    # annotations, an error) in one optional TaskOptions.
     key: object
     prefix: TaskPrefix
-    state_id: cython.int  # the state's index in TASK_STATES (``state`` gives its name)
     run_spec: object  # opaque bytes; None for data that was scattered, not computed
     generation: cython.Py_ssize_t  # which update_graph brought it
     priority_user: cython.int  # negated user priority: lower runs first
@@ -298,7 +301,8 @@ class TaskState:
     n_waiting_on: cython.int  # while waiting: dependencies not yet in memory
     n_waiters: cython.int  # dependents in an active state (they need this result)
     retries: cython.int
-    suspicious: cython.int  # workers that died while running it
+    state_id: cython.short  # the state's index in TASK_STATES (``state`` gives its name)
+    suspicious: cython.short  # workers that died while running it (at most _SUSPICIOUS_MAX)
     dependencies: tuple
     dependents: object  # None; a tuple while few (most tasks have 1-2); a set when many
     who_wants: Optional[tuple]  # ClientStates
@@ -307,8 +311,7 @@ class TaskState:
     estimate: cython.double  # duration estimate while processing (kept for occupancy)
     nbytes: cython.Py_ssize_t  # size of the result; -1 while unknown
     type_name: Optional[str]
-    options: Optional[TaskOptions]  # restrictions and annotations, if it has any
-    error: Optional[tuple]  # (exception bytes, traceback bytes, text, key to blame)
+    options: Optional[TaskOptions]  # restrictions, annotations, error, if it has any
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -334,7 +337,23 @@ class TaskState:
         self.retries = 0
         self.suspicious = 0
         self.options = None
-        self.error = None
+
+    @property
+    def error(self) -> Optional[tuple]:
+        """(exception bytes, traceback bytes, text, key to blame) of an erred task (or one
+        about to err); None otherwise. Kept in ``options``: few tasks err."""
+        return None if self.options is None else self.options.error
+
+    @error.setter
+    def error(self, value: Optional[tuple]) -> None:
+        if self.options is None:
+            if value is None:
+                return
+            self.options = TaskOptions(None, None, False, None)
+        self.options.error = value
+        if value is None and not self.options.restricted \
+                and self.options.annotations is None:
+            self.options = None
 
     @property
     def state(self) -> str:
@@ -898,7 +917,8 @@ class SchedulerState:
         ws.status = WORKER_CLOSED
         ts: TaskState
         for ts in sorted(ws.processing, key=_priority_of):
-            ts.suspicious += 1
+            if ts.suspicious < _SUSPICIOUS_MAX:
+                ts.suspicious += 1
             if ts.suspicious >= self.allowed_failures:
                 ts.error = (None, None,
                             f"KilledWorker: {bounded_repr(ts.key)} was running on "
