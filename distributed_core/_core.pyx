@@ -161,17 +161,23 @@ class TaskPrefix:
 
     def add_duration(self, duration: cython.double) -> None:
         """Fold one measured run time into the running average."""
-        if duration < 0:
-            return
-        self.n_durations += 1
-        if self.duration_average < 0:
-            self.duration_average = duration
-        else:
-            weight: cython.double = 1.0 / min(self.n_durations, 20)
-            self.duration_average += (duration - self.duration_average) * weight
+        _add_duration(self, duration)
 
     def __repr__(self):
         return f"<TaskPrefix {self.name!r} avg={self.duration_average:.3g}s>"
+
+
+@cython.cfunc
+def _add_duration(prefix: TaskPrefix, duration: cython.double) -> None:
+    """TaskPrefix.add_duration, as a C call for the core."""
+    if duration < 0:
+        return
+    prefix.n_durations += 1
+    if prefix.duration_average < 0:
+        prefix.duration_average = duration
+    else:
+        weight: cython.double = 1.0 / min(prefix.n_durations, 20)
+        prefix.duration_average += (duration - prefix.duration_average) * weight
 
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -1092,9 +1098,11 @@ class SchedulerState:
         if ws is None:
             return self._end()  # a worker already removed: its results are gone
         ts: TaskState
-        for report in reports:
-            if type(report) is not dict or "key" not in report:
+        report: dict
+        for item in reports:
+            if type(item) is not dict or "key" not in item:
                 continue
+            report = item
             key = report["key"]
             try:
                 ts = self.tasks.get(key)
@@ -1136,9 +1144,11 @@ class SchedulerState:
         if ws is None:
             return self._end()
         ts: TaskState
-        for report in reports:
-            if type(report) is not dict or "key" not in report:
+        report: dict
+        for item in reports:
+            if type(item) is not dict or "key" not in item:
                 continue
+            report = item
             key = report["key"]
             try:
                 ts = self.tasks.get(key)
@@ -2123,7 +2133,7 @@ class SchedulerState:
                            type_name, duration: cython.double, data) -> None:
         cs: ClientState
         self._unassign(ts)
-        ts.prefix.add_duration(duration)
+        _add_duration(ts.prefix, duration)
         ts.type_name = type_name
         ts.state_id = _S_MEMORY
         self._add_holder(ts, ws, nbytes)
@@ -2571,28 +2581,34 @@ class SchedulerState:
         position = {}
         entries = []
         i: cython.Py_ssize_t
-        for i, entry in enumerate(tasks):
-            key = _check_task_entry(i, entry)
+        n: cython.Py_ssize_t
+        for i, item in enumerate(tasks):
+            key = _check_task_entry(i, item)
             if key in known:
                 continue
-            if key in position:
+            n = len(entries)
+            if position.setdefault(key, n) != n:
                 raise GraphError(f"key {bounded_repr(key)} appears twice in the graph")
-            _check_new_task(key, entry)
-            position[key] = len(entries)
-            entries.append(entry)
+            _check_new_task(key, item)
+            entries.append(item)
         in_order: cython.bint = True
+        entry: dict
         for i, entry in enumerate(entries):
             deps = entry.get("deps")
             if not deps:
                 continue
             for dep in deps:
-                problem = _key_problem(dep)
-                if problem is not None:
-                    raise GraphError(f"task {bounded_repr(entry['key'])}: dependency {problem}")
-                if dep in known:
-                    continue
-                j = position.get(dep)
+                try:
+                    j = position.get(dep)  # most inputs are new: one lookup for them
+                except TypeError:
+                    j = None
                 if j is None:
+                    problem = _key_problem(dep)
+                    if problem is not None:
+                        raise GraphError(f"task {bounded_repr(entry['key'])}: dependency "
+                                         f"{problem}")
+                    if dep in known:
+                        continue
                     raise GraphError(f"task {bounded_repr(entry['key'])} depends on unknown "
                                      f"key {bounded_repr(dep)}")
                 if j >= i:
@@ -2617,6 +2633,7 @@ class SchedulerState:
         created = []
         same_deps = None  # the last deps list, and its tuple: shared by tasks after it
         same_tuple: tuple = _NO_DEPENDENCIES
+        entry: dict
         i: cython.Py_ssize_t
         for i, entry in enumerate(entries):
             key = entry["key"]
