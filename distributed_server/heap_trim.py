@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 
 #: Tasks that must be forgotten (from the most held since the last trim) before a trim.
 TRIM_AFTER_TASKS = 50_000
@@ -36,7 +37,10 @@ def trim_heap() -> bool:
 
 class HeapTrimmer:
     """Follows how many tasks are held and trims the heap once ``after`` of them (from
-    the most held since the last trim) are gone."""
+    the most held since the last trim) are gone, or once almost all are (a tail smaller
+    than ``after``). When fewer than ``after`` tasks are left, a full garbage collection
+    runs first (the scheduler's collector runs rarely; what a big graph left in cycles
+    is freed before the trim)."""
 
     def __init__(self, after: int = TRIM_AFTER_TASKS):
         self.after = after
@@ -48,9 +52,12 @@ class HeapTrimmer:
         if n_tasks > self.high:
             self.high = n_tasks
             return False
-        if self.high - n_tasks < self.after:
+        gone = self.high - n_tasks
+        if gone < self.after and (gone < self.after // 10 or n_tasks * 16 > self.high):
             return False
         self.high = n_tasks
         self.trims += 1
+        if n_tasks < self.after:
+            gc.collect()
         trim_heap()
         return True
