@@ -219,6 +219,9 @@ class WorkerState:
     occupancy: cython.double  # estimated seconds of work assigned and not yet finished
     status: str
     alone: tuple  # (self,): the who_has of every result only this worker holds
+    # [address]: what compute-task messages list for a result only it holds (shared by
+    # the messages, never changed)
+    addresses: list
     long_running: Optional[set]  # seceded tasks: each adds a slot while it waits
     # key -> TaskState it was asked to copy here (acquire-replicas), not answered yet
     acquiring: Optional[dict]
@@ -239,6 +242,7 @@ class WorkerState:
         self.occupancy = 0.0
         self.status = WORKER_RUNNING
         self.alone = (self,)
+        self.addresses = [address]
         self.long_running = None
         self.acquiring = None
 
@@ -2492,6 +2496,8 @@ class SchedulerState:
 
     @cython.cfunc
     def _assign(self, ts: TaskState, ws: WorkerState) -> None:
+        dep: TaskState
+        holder: WorkerState
         ts.processing_on = ws
         ts.estimate = self._estimate(ts)
         ws.processing.add(ts)
@@ -2506,8 +2512,15 @@ class SchedulerState:
             if self.departing:
                 msg["who_has"] = {dep.key: _holder_addresses(dep) for dep in ts.dependencies}
             else:
-                msg["who_has"] = {dep.key: [dws.address for dws in dep.who_has]
-                                  for dep in ts.dependencies}
+                who_has = {}
+                for dep in ts.dependencies:
+                    holders: tuple = dep.who_has
+                    if len(holders) == 1:
+                        holder = holders[0]
+                        who_has[dep.key] = holder.addresses
+                    else:
+                        who_has[dep.key] = [dws.address for dws in holders]
+                msg["who_has"] = who_has
         if ts.options is not None and ts.options.resources is not None:
             msg["resources"] = ts.options.resources
         self._send_worker(ws, msg)
