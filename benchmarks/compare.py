@@ -20,9 +20,12 @@ Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
   4  ``submit(inc, i).result()`` round trip, 1x1 (300 iterations) [100]   e2e.py
   5  scheduler memory per held task: one ``time.sleep(600)`` task runs on the only
      worker, then ``client.map(add, range(N), [blocker] * N)``: N tasks wait on it.
-     Scheduler RSS (psutil) after the tasks are in, minus before, / N. N = 100,000 and
-     200,000 [20,000]. Plus distributed-core's tracemalloc figure for its state alone
-     (``core.py``'s ``measure_held`` on N independent tasks, no worker).
+     Scheduler RSS (psutil) after the tasks are in, minus before, / N; then the futures
+     are dropped and, once the scheduler holds only the blocker, its RSS against its RSS
+     before the map ("RSS released / start"). N = 200,000 for both systems and
+     1,000,000 for distributed-core alone (issue 14's target 4) [20,000]. Plus
+     distributed-core's tracemalloc figure for its state alone (``core.py``'s
+     ``measure_held`` on N independent tasks, no worker).
   6  the seed workload: ``dask.datasets.timeseries("2020", "2021", partition_freq="2h")
      .shuffle(on="x").map_partitions(len).sum()`` with ``dataframe.shuffle.method:
      tasks``, 2x1 [two months]. Tasks the scheduler received (distributed-core: the
@@ -41,9 +44,13 @@ Workloads (numbers as in issue 6; ``--quick`` sizes in brackets):
   9  the client's cost of ``client.map(noop, range(N))``, N = 1,000,000 [100,000], 1x1:
      wall time until map returns and the CPU time of the calling thread, per task (the
      cluster is killed once map returned; the tasks' execution is not measured here)
+  10 the state machine alone, compiled vs interpreted (``core.py``, both variants in one
+     run, 100,000 tasks per workload [10,000], median of 3 [1]): us per task of each
+     variant and their ratio (issue 14's target 5: >= 3x everywhere, the task shuffle
+     <= 5 us/task compiled)
 
 Every run is a subprocess in its own session, killed with everything it started at its
-timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1440 [260])
+timeout; the suite as a whole stops starting runs when ``--budget`` seconds (1800 [300])
 are used up and reports what it skipped. Workloads 1-4 run ``--repeat`` times (2 [1]) in
 rounds, every workload once before any repeat; a repeat starts only if its first run's
 time still fits the budget.
@@ -174,8 +181,18 @@ def child_held(spec: dict, system) -> dict:
     rss1 = system.scheduler.memory_info().rss
     assert not blocker.done()
     del futures
+    t1 = time.perf_counter()
+    while system.scheduler_n_tasks() > 1:  # the blocker stays
+        if time.monotonic() > deadline + spec["limit"]:
+            raise TimeoutError(f"the scheduler did not forget {n:,} released tasks")
+        time.sleep(0.1)
+    release = time.perf_counter() - t1
+    time.sleep(1.0)
+    rss2 = system.scheduler.memory_info().rss
     return {"tasks": n, "rss_before_mb": rss0 / 2 ** 20, "rss_after_mb": rss1 / 2 ** 20,
-            "bytes_per_task": (rss1 - rss0) / n, "intake_s": intake}
+            "bytes_per_task": (rss1 - rss0) / n, "intake_s": intake,
+            "rss_released_mb": rss2 / 2 ** 20, "released_vs_start": rss2 / rss0,
+            "release_s": release}
 
 
 def child_mapcost(spec: dict, system) -> dict:
@@ -220,6 +237,21 @@ def child_tracemalloc(spec: dict) -> dict:
     held = core.measure_held(dc, core.make_workload("independent", spec["n"]))
     return {"bytes_per_task": held["bytes_per_task"], "compiled": bool(dc.COMPILED),
             "key_bytes_per_task": held["key_bytes_per_task"]}
+
+
+def child_core(spec: dict) -> dict:
+    """core.py's lifecycles, compiled and interpreted, each in a subprocess of its own."""
+    import core  # benchmarks/core.py
+
+    argv = ["--repeat", str(spec["repeat"]), "--tasks", str(spec["n"]), "--no-memory"]
+    out = {}
+    for label, pure in (("compiled", False), ("interpreted", True)):
+        result = core.run_child(sys.executable, pure, argv)
+        if label == "compiled" and not result["info"]["compiled"]:
+            return {"error": "the compiled core is not importable"}
+        for name, figures in result["results"].items():
+            out[f"{label}_{name}"] = figures["us_per_task"]
+    return out
 
 
 def seed_collection(start: str, end: str):
@@ -363,6 +395,8 @@ def child_main(spec: dict) -> None:
         result = child_seed_sync(spec)
         print(RESULT_MARK + json.dumps(result), flush=True)
         os._exit(0)  # a compute past its limit still runs in its thread
+    elif kind == "core":
+        result = child_core(spec)
     else:
         with tempfile.TemporaryDirectory(prefix="compare-") as logdir:
             system = _system(spec, logdir)
@@ -407,13 +441,16 @@ def sizes(args) -> dict:
         "tree_leaves": 1_000 if q else 20_000,
         "rt_iterations": 100 if q else 300,
         "chunks": 1_000 if q else 20_000,
-        "held": [20_000] if q else [100_000, 200_000],
+        "held": [20_000] if q else [200_000, 1_000_000],
+        "held_dcore_only": 10 ** 9 if q else 1_000_000,  # from this size on, no dask run
+        "core_tasks": 10_000 if q else 100_000,
+        "core_repeat": 1 if q else 3,
         "seed": ("2020-01-01", "2020-03-01") if q else ("2020", "2021"),
         "mapcost_n": 100_000 if q else 1_000_000,
         "seed_limit": args.seed_limit or (60.0 if q else 300.0),
         "repeat": args.repeat or (1 if q else 2),
         "timeout": 120.0 if q else 300.0,
-        "budget": args.budget or (260.0 if q else 1440.0),
+        "budget": args.budget or (300.0 if q else 1800.0),
     }
 
 
@@ -439,10 +476,13 @@ def plan(args, s: dict) -> list:
         ("array_2x1", "array", {"workers": 2, "chunks": s["chunks"]}, more, s["repeat"]),
     ]
     for n in s["held"]:
+        held_variants = more if n < s["held_dcore_only"] else [DCORE]
         cells.append((f"held_{n}", "held", {"workers": 1, "n": n, "limit": s["timeout"] - 60},
-                      more, 1))
+                      held_variants, 1))
         cells.append((f"tracemalloc_{n}", "tracemalloc", {"n": n}, [DCORE, DCORE_PURE], 1))
     cells.append(("mapcost", "mapcost", {"workers": 1, "n": s["mapcost_n"]}, [DCORE, DASK], 1))
+    cells.append(("core", "core", {"n": s["core_tasks"], "repeat": s["core_repeat"]},
+                  [DCORE], 1))
     return cells
 
 
@@ -469,6 +509,8 @@ def run_suite(args, s: dict, envs: dict, budget: Budget, log) -> dict:
                     wanted = 120
                 elif kind == "mapcost":  # dask's 1,000,000-task map took > 300 s once
                     wanted = 90 if args.quick else 180
+                elif kind == "core":
+                    wanted = 900
                 else:
                     wanted = s["timeout"]
                 # every system gets the seed's whole limit (it runs first), so its
@@ -507,10 +549,15 @@ def _brief(kind: str, r: dict) -> str:
             text = f"{r['rt_median_ms']:.2f} ms"
         return text + ("  " + r["error"] if r.get("error") else "")
     if kind in ("held", "tracemalloc") and r.get("bytes_per_task") is not None:
-        return f"{r['bytes_per_task']:,.0f} B/task"
+        released = f", released {r['released_vs_start']:.2f}x start" \
+            if r.get("released_vs_start") else ""
+        return f"{r['bytes_per_task']:,.0f} B/task{released}"
     if kind == "mapcost" and r.get("map_cpu_us") is not None:
         return f"map returned after {r['map_wall_us']:.2f} us/task, " \
                f"{r['map_cpu_us']:.2f} us/task CPU"
+    if kind == "core" and r.get("compiled_shuffle") is not None:
+        return f"shuffle {r['compiled_shuffle']:.2f} us/task compiled, " \
+               f"{r['interpreted_shuffle'] / r['compiled_shuffle']:.2f}x"
     if kind == "seed" and "limit_s" in r:
         wall = f"wall {r['wall_s']:.1f} s" if r.get("finished") else r.get("error")
         if "peak_rss_mb" not in r:  # dask's sync scheduler: no cluster
@@ -583,6 +630,8 @@ def build_rows(raw: dict, s: dict) -> list:
     for held in s["held"]:
         row("5", f"{held:,} held tasks", f"held_{held}", "bytes_per_task", "B/task",
             False, label="sched RSS B/task", pure=True)
+        row("5", f"{held:,} held tasks", f"held_{held}", "released_vs_start", "x",
+            False, label="RSS released / start", fmt=".2f", pure=True)
         row("5", f"{held:,} held tasks", f"tracemalloc_{held}", "bytes_per_task",
             "B/task", False, label="tracemalloc B/task", variants=(DCORE,), pure=True)
     seed = "seed"
@@ -608,6 +657,21 @@ def build_rows(raw: dict, s: dict) -> list:
             label="until map returns us/task", fmt=".2f")
         row("9", mname, "mapcost", "map_cpu_us", "us/task", False,
             label="client CPU us/task", fmt=".2f")
+    if "core" in raw:
+        # one core.py run gives both variants: split it into the two columns
+        runs = raw["core"].get(DCORE, [])
+        split = {DCORE: [], DCORE_PURE: []}
+        for r in runs:
+            if r.get("error"):
+                split[DCORE].append(r)
+                continue
+            for v, label in ((DCORE, "compiled"), (DCORE_PURE, "interpreted")):
+                split[v].append({k[len(label) + 1:]: x for k, x in r.items()
+                                 if k.startswith(label + "_")})
+        raw["core_split"] = split
+        for name in ("independent", "independent-inf", "chain", "tree", "shuffle"):
+            row("10", f"core alone: {name}", "core_split", name, "us/task", False,
+                label="us/task in stimuli", fmt=".2f", variants=(DCORE,), pure=True)
     # the seed: a system that did not finish is slower than its limit
     for entry in rows:
         if entry["cell"] == seed and entry["field"] == "wall_s":
@@ -742,6 +806,8 @@ def check_targets(rows: list) -> list:
                 continue
             if e["workload"] == "7" and e["cell"] == "seed":
                 continue  # issue 6 asks for workload 7 on 1-3; the seed row is shown only
+            if DASK not in e["values"] and DASK not in e["errors"]:
+                continue  # a size dask does not run (held 1,000,000)
             adv = e.get("advantage")
             if adv is None:
                 why = e["errors"].get(DASK) or e["errors"].get(DCORE) or "no figure"
@@ -781,6 +847,40 @@ def check_intake_targets(rows: list) -> list:
             if first is not None and intake:
                 out.append(f"  {v}: first task done {first:.1f} s after compute(), intake "
                            f"{intake:.1f} s ({first / intake:.0%} of it)")
+    return out
+
+
+CORE_TARGETS = [  # issue 14, target 4, on the largest held cell: (metric, limit, text)
+    ("sched RSS B/task", 600.0, "<= 600 B of scheduler RSS per held task"),
+    ("RSS released / start", 1.10, "RSS back within 10% of its start after the release"),
+]
+
+
+def check_core_targets(rows: list) -> list:
+    """Lines: issue 14's targets 4 and 5 (the scheduler core) against the rows (target 4
+    is for 1,000,000 held tasks: a quick run's smaller N only shows the trend)."""
+    out = []
+    held = [e for e in rows if e["cell"].startswith("held_")]
+    largest = max((int(e["cell"][5:]) for e in held), default=None)
+    for metric, limit, text in CORE_TARGETS:
+        for e in held:
+            if e["cell"] == f"held_{largest}" and e["metric"] == metric:
+                v = e["values"].get(DCORE)
+                verdict = "not measured" if v is None else \
+                    f"{v:,.2f}  " + ("met" if v <= limit else "MISSED")
+                out.append(f"  {text + f' ({largest:,} tasks)':<58} {verdict}")
+    for e in rows:
+        if e["cell"] != "core_split":
+            continue
+        gain, us = e.get("compile_gain"), e["values"].get(DCORE)
+        if gain is None or us is None:
+            out.append(f"  {e['name']:<58} not measured")
+            continue
+        line = f"compiled {us:.2f} us/task, {gain:.2f}x interpreted " + \
+            ("met" if gain >= 3.0 else "MISSED (>= 3x)")
+        if e["field"] == "shuffle":
+            line += "; <= 5 us/task " + ("met" if us <= 5.0 else "MISSED")
+        out.append(f"  {e['name']:<58} {line}")
     return out
 
 
@@ -848,7 +948,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed-limit", type=float, default=None,
                         help="seconds each system gets on the seed workload (300; quick 60)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole suite (1440; --quick 260)")
+                        help="seconds for the whole suite (1800; --quick 300)")
     parser.add_argument("--only", metavar="CELLS",
                         help="run only these cells (comma-separated ids, e.g. seed,mapcost)")
     parser.add_argument("--no-save", action="store_true")
@@ -922,6 +1022,10 @@ def main(argv=None) -> int:
         print("\nissue 14, target 2 (streaming intake; reported, not asserted)")
         print("\n".join(intake_targets))
     targets += intake_targets
+    core_targets = check_core_targets(rows)
+    print("\ntargets 4 and 5 of issue 14 (scheduler memory, what compiling buys; reported)")
+    print("\n".join(core_targets))
+    targets = targets + core_targets
     doc = {"header": header, "rows": rows, "raw": raw, "table": lines, "targets": targets,
            "seed": seed, "elapsed_s": elapsed}
     if not args.no_save:
