@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -88,11 +89,37 @@ def _stall_figures(waits: list, start: float, stop: float) -> dict:
     }
 
 
+def _gc_pauses(cluster) -> dict:
+    """The scheduler's garbage-collection pauses so far, from its ``/metrics``:
+    {generation: (seconds in total, longest single pause)}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = cluster.dashboard_link.replace("/status", "/metrics")
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    total, longest = {}, {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dcore_scheduler_gc_pause_seconds_total":
+                total[sample.labels["generation"]] = sample.value
+            elif sample.name == "dcore_scheduler_gc_pause_max_seconds":
+                longest[sample.labels["generation"]] = sample.value
+    return {g: (total[g], longest[g]) for g in total}
+
+
+def _gc_figures(before: dict, after: dict) -> dict:
+    """GC seconds spent between two `_gc_pauses` readings, and the longest pause seen."""
+    return {
+        "gc_seconds_during": sum(after[g][0] - before[g][0] for g in after),
+        "gc_longest_ms": {g: 1e3 * after[g][1] for g in after},
+    }
+
+
 def run_worker_leaves(n: int) -> dict:
     """One measurement: the worker holding ``n`` results is SIGKILLed."""
     env = _env()
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the workers import the task function
-    with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster, \
             Client(cluster, set_as_default=False, timeout=60) as client:
         start = time.perf_counter()
         futures = client.map(add, range(n), [0] * n)
@@ -104,6 +131,7 @@ def run_worker_leaves(n: int) -> dict:
         client.wait_for_workers(2, timeout=60)
         probe = _start_probe(cluster, env)
         time.sleep(1.0)
+        gc_before = _gc_pauses(cluster)
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
         while victim in cluster.scheduler_info()["workers"]:
@@ -114,18 +142,19 @@ def run_worker_leaves(n: int) -> dict:
         recomputed_s = time.time() - killed_at
         time.sleep(0.5)
         waits = _probe_waits(probe)
+        gc_after = _gc_pauses(cluster)
         del futures
     # the departure's slices run right after the removal; the window covers them and the
     # first second of recomputation
     return {"n": n, "computed_s": computed_s, "removed_after_s": removed_at - killed_at,
-            "recomputed_s": recomputed_s,
+            "recomputed_s": recomputed_s, **_gc_figures(gc_before, gc_after),
             **_stall_figures(waits, killed_at, removed_at + 1.0)}
 
 
 def run(n: int) -> dict:
     """One measurement with ``n`` held tasks."""
     env = _env()
-    with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster, \
             Client(cluster, set_as_default=False, timeout=60) as client:
         blocker = client.submit(time.sleep, 3600, pure=False)
         start = time.perf_counter()
@@ -135,6 +164,7 @@ def run(n: int) -> dict:
         held_after = time.perf_counter() - start
         probe = _start_probe(cluster, env)
         time.sleep(1.0)
+        gc_before = _gc_pauses(cluster)
         released_at = time.time()
         del futures
         while cluster.scheduler_info()["n_tasks"] > 1:
@@ -142,7 +172,9 @@ def run(n: int) -> dict:
         release_s = time.time() - released_at
         time.sleep(0.5)
         waits = _probe_waits(probe)
+        gc_after = _gc_pauses(cluster)
     return {"n": n, "held_after_s": held_after, "release_s": release_s,
+            **_gc_figures(gc_before, gc_after),
             **_stall_figures(waits, released_at, released_at + release_s)}
 
 
@@ -174,6 +206,11 @@ def main(argv=None) -> int:
               f"release, worst {result['probe_worst_ms']:.1f} ms, p99 "
               f"{result['probe_p99_ms']:.1f} ms (median before: "
               f"{result['probe_median_before_ms']:.2f} ms)")
+    if not args.json:
+        longest = ", ".join(f"gen {g} {ms:.1f} ms" for g, ms in
+                            sorted(result["gc_longest_ms"].items()))
+        print(f"scheduler garbage collection: {result['gc_seconds_during']:.3f} s during "
+              f"that window; longest single pause since start: {longest}")
     if not args.no_save:
         name = "worker-leaves-stall" if args.worker_leaves else "release-stall"
         print("saved", save_results(name, result, started, quick=False))

@@ -3,11 +3,13 @@
 Runs a `Scheduler` in this process (tuned like ``dcore scheduler``), one ``dcore worker``
 and a client as separate processes. The client makes one task that sleeps on the only
 worker, then ``client.map(add, range(N), [blocker] * N)``: N tasks wait on it (workload 5
-of compare.py). Prints the RSS growth per task, and with ``--trace`` what tracemalloc
+of compare.py). Prints the RSS growth per task, then drops the futures and prints the
+scheduler's RSS once only the blocker is left, against its RSS before the map (what a
+release gives back, arena fragmentation included). With ``--trace``, what tracemalloc
 counts per task, by the line that allocated it (compiled-core allocations show as the
 server line that called into the core)::
 
-    python benchmarks/sched_memory.py 100000
+    python benchmarks/sched_memory.py 1000000
     python benchmarks/sched_memory.py 100000 --trace
 """
 from __future__ import annotations
@@ -36,6 +38,9 @@ time.sleep(0.5)
 print("ready", flush=True)
 sys.stdin.readline()
 futures = client.map(add, range(int(sys.argv[2])), [blocker] * int(sys.argv[2]))
+sys.stdin.readline()
+del futures
+print("released", flush=True)
 sys.stdin.readline()
 """
 
@@ -69,6 +74,8 @@ async def profile(n: int, trace: bool, top: int) -> None:
         rss1 = psutil.Process().memory_info().rss
         print(f"{n:,} held tasks: scheduler RSS +{(rss1 - rss0) / n:,.0f} B/task"
               + (" (tracemalloc on: adds its own overhead)" if trace else ""))
+        print(f"RSS {rss0 / 2 ** 20:,.1f} MiB before the map, {rss1 / 2 ** 20:,.1f} MiB "
+              "with the tasks held", flush=True)
         if trace:
             now, peak = tracemalloc.get_traced_memory()
             print(f"traced: {now / n:,.0f} B/task now, {peak / n:,.0f} B/task at the peak")
@@ -76,6 +83,16 @@ async def profile(n: int, trace: bool, top: int) -> None:
             for stat in after.compare_to(before, "lineno")[:top]:
                 print(f"  {stat.size_diff / n:8.1f} B/task  {stat.count_diff:>9,} blocks  "
                       f"{stat.traceback}")
+        if trace:
+            tracemalloc.stop()
+        client.stdin.write("\n")
+        client.stdin.flush()
+        while len(scheduler.state.tasks) > 1:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        rss2 = psutil.Process().memory_info().rss
+        print(f"released: RSS {rss2 / 2 ** 20:,.1f} MiB, {rss2 / rss0:.2f}x its start "
+              f"(+{(rss2 - rss0) / n:,.0f} B per task that was held)")
     finally:
         client.kill()
         worker.kill()

@@ -18,16 +18,21 @@ Rules of this module (everything that decides a task's state lives in this file)
   one task, never the batch. Any other exception is a bug; work it left pending
   (recommendations, messages) is carried out by the next stimulus, and a stimulus that
   runs away (``max_transitions_per_stimulus``) raises ``TransitionLimitExceeded``.
-- One table, one engine. ``_TRANSITIONS[start][finish]`` names the function for each
-  allowed move. A transition changes one task and may *recommend* states for others; the
-  engine applies recommendations until none are left. A move with no entry goes through
+- One table, one engine. ``MOVES`` lists each allowed move (start, finish) and
+  ``SchedulerState._move`` runs it (a C switch when compiled: states are C ints inside
+  the core, names at every interface). A transition changes one task and may *recommend*
+  states for others; the engine applies recommendations until none are left. A move with no entry goes through
   ``released``. Transitions that carry data from a stimulus (a result, scattered data)
   are called directly by that stimulus.
 - Lean tasks. Collections a task needs only for part of its life are ``None`` until
   needed and set back to ``None`` when done; tiny, rarely changing ones (who holds a
   result, who wants it) are tuples, and so are a task's dependents while they are few;
   counters stand in for sets where only the count matters (``n_waiting_on``,
-  ``n_waiters``).
+  ``n_waiters``). Tasks of one graph with the same inputs share one dependencies tuple.
+- Nothing grows without bound once its tasks are gone: a prefix is dropped with its last
+  task (its learned duration stays in a bounded table), and the hash tables that a big
+  graph grew (tasks, a client's wants, a worker's results, the recommendations) are
+  rebuilt at their new size once most of it is forgotten (a dict or set never shrinks).
 - The same source runs compiled by Cython and imported as plain Python.
 """
 from __future__ import annotations
@@ -52,8 +57,8 @@ MEMORY = "memory"
 ERRED = "erred"
 FORGOTTEN = "forgotten"
 TASK_STATES = (RELEASED, WAITING, QUEUED, NO_WORKER, PROCESSING, MEMORY, ERRED, FORGOTTEN)
-# A state's slot in the counters (its position in TASK_STATES); _state_index is the fast
-# way for the states themselves, this dict the fallback for an equal string.
+# A state's slot in the counters and its ``TaskState.state_id``: its position in
+# TASK_STATES.
 _STATE_INDEX = {state: i for i, state in enumerate(TASK_STATES)}
 # The states a task can be held in: all but forgotten (the last slot, which counts
 # tasks forgotten so far).
@@ -77,6 +82,12 @@ _STEAL_SCAN = 10_000
 _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
 _LAYER_CACHE_SIZE = 10_000  # layer names (key[0] of tuple keys) remembered at most
+_SUSPICIOUS_MAX = 2 ** 15 - 1  # TaskState.suspicious is 16 bits
+_DURATIONS_KEPT = 10_000  # learned durations of dropped prefixes remembered at most
+# A table is rebuilt at its size once it holds less than 1/_SHRINK_FACTOR of the most it
+# held, if that was at least _SHRINK_MIN entries.
+_SHRINK_FACTOR = 8
+_SHRINK_MIN = 4096
 _DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
 _INT64_MIN = -2 ** 63
 _INT64_MAX = 2 ** 63 - 1
@@ -153,17 +164,23 @@ class TaskPrefix:
 
     def add_duration(self, duration: cython.double) -> None:
         """Fold one measured run time into the running average."""
-        if duration < 0:
-            return
-        self.n_durations += 1
-        if self.duration_average < 0:
-            self.duration_average = duration
-        else:
-            weight: cython.double = 1.0 / min(self.n_durations, 20)
-            self.duration_average += (duration - self.duration_average) * weight
+        _add_duration(self, duration)
 
     def __repr__(self):
         return f"<TaskPrefix {self.name!r} avg={self.duration_average:.3g}s>"
+
+
+@cython.cfunc
+def _add_duration(prefix: TaskPrefix, duration: cython.double) -> None:
+    """TaskPrefix.add_duration, as a C call for the core."""
+    if duration < 0:
+        return
+    prefix.n_durations += 1
+    if prefix.duration_average < 0:
+        prefix.duration_average = duration
+    else:
+        weight: cython.double = 1.0 / min(prefix.n_durations, 20)
+        prefix.duration_average += (duration - prefix.duration_average) * weight
 
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -205,6 +222,9 @@ class WorkerState:
     occupancy: cython.double  # estimated seconds of work assigned and not yet finished
     status: str
     alone: tuple  # (self,): the who_has of every result only this worker holds
+    # [address]: what compute-task messages list for a result only it holds (shared by
+    # the messages, never changed)
+    addresses: list
     long_running: Optional[set]  # seceded tasks: each adds a slot while it waits
     # key -> TaskState it was asked to copy here (acquire-replicas), not answered yet
     acquiring: Optional[dict]
@@ -225,6 +245,7 @@ class WorkerState:
         self.occupancy = 0.0
         self.status = WORKER_RUNNING
         self.alone = (self,)
+        self.addresses = [address]
         self.long_running = None
         self.acquiring = None
 
@@ -237,13 +258,14 @@ class WorkerState:
 @cython.final
 @cython.cclass
 class TaskOptions:
-    """What few tasks have: placement restrictions and annotations (kept off TaskState,
-    which stays small for the many tasks without them)."""
+    """What few tasks have: placement restrictions, annotations and an error (kept off
+    TaskState, which stays small for the many tasks without them)."""
 
     workers: Optional[frozenset]  # addresses or names it may run on
     resources: Optional[dict]  # name -> quantity it needs on its worker
     loose: cython.bint  # may run elsewhere if no allowed worker exists
     annotations: Optional[dict]
+    error: Optional[tuple]  # TaskState.error
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -254,6 +276,7 @@ class TaskOptions:
         self.resources = resources
         self.loose = loose
         self.annotations = annotations
+        self.error = None
 
     @property
     def restricted(self) -> bool:
@@ -279,11 +302,11 @@ class TaskState:
     is dropped cuts the links of the tasks it still holds.
     """
 
-    # Compiled, this is 160 bytes a task: 32-bit counters (update_graph checks the
-    # ranges), and the rarely set fields in one optional TaskOptions.
+    # Compiled, this is 144 bytes a task (a pymalloc size class): 32- and 16-bit
+    # counters (update_graph checks the ranges), and the rarely set fields (restrictions,
+    # annotations, an error) in one optional TaskOptions.
     key: object
     prefix: TaskPrefix
-    state: str
     run_spec: object  # opaque bytes; None for data that was scattered, not computed
     generation: cython.Py_ssize_t  # which update_graph brought it
     priority_user: cython.int  # negated user priority: lower runs first
@@ -291,7 +314,8 @@ class TaskState:
     n_waiting_on: cython.int  # while waiting: dependencies not yet in memory
     n_waiters: cython.int  # dependents in an active state (they need this result)
     retries: cython.int
-    suspicious: cython.int  # workers that died while running it
+    state_id: cython.short  # the state's index in TASK_STATES (``state`` gives its name)
+    suspicious: cython.short  # workers that died while running it (at most _SUSPICIOUS_MAX)
     dependencies: tuple
     dependents: object  # None; a tuple while few (most tasks have 1-2); a set when many
     who_wants: Optional[tuple]  # ClientStates
@@ -300,8 +324,7 @@ class TaskState:
     estimate: cython.double  # duration estimate while processing (kept for occupancy)
     nbytes: cython.Py_ssize_t  # size of the result; -1 while unknown
     type_name: Optional[str]
-    options: Optional[TaskOptions]  # restrictions and annotations, if it has any
-    error: Optional[tuple]  # (exception bytes, traceback bytes, text, key to blame)
+    options: Optional[TaskOptions]  # restrictions, annotations, error, if it has any
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -309,7 +332,7 @@ class TaskState:
     def __init__(self, key, prefix: TaskPrefix, run_spec):
         self.key = key
         self.prefix = prefix
-        self.state = RELEASED
+        self.state_id = 0  # released
         self.run_spec = run_spec
         self.priority_user = 0
         self.generation = 0
@@ -327,7 +350,32 @@ class TaskState:
         self.retries = 0
         self.suspicious = 0
         self.options = None
-        self.error = None
+
+    @property
+    def error(self) -> Optional[tuple]:
+        """(exception bytes, traceback bytes, text, key to blame) of an erred task (or one
+        about to err); None otherwise. Kept in ``options``: few tasks err."""
+        return None if self.options is None else self.options.error
+
+    @error.setter
+    def error(self, value: Optional[tuple]) -> None:
+        if self.options is None:
+            if value is None:
+                return
+            self.options = TaskOptions(None, None, False, None)
+        self.options.error = value
+        if value is None and not self.options.restricted \
+                and self.options.annotations is None:
+            self.options = None
+
+    @property
+    def state(self) -> str:
+        """The task's state, by name (one of TASK_STATES)."""
+        return TASK_STATES[self.state_id]
+
+    @state.setter
+    def state(self, name: str) -> None:
+        self.state_id = _STATE_INDEX[name]
 
     @property
     def priority(self) -> tuple:
@@ -338,45 +386,33 @@ class TaskState:
         return f"<TaskState {self.key!r} {self.state}>"
 
 
-# The states again, as C globals when compiled: _state_index compares pointers, not
-# module attributes.
-_S_RELEASED = cython.declare(str, RELEASED)
-_S_WAITING = cython.declare(str, WAITING)
-_S_QUEUED = cython.declare(str, QUEUED)
-_S_NO_WORKER = cython.declare(str, NO_WORKER)
-_S_PROCESSING = cython.declare(str, PROCESSING)
-_S_MEMORY = cython.declare(str, MEMORY)
-_S_ERRED = cython.declare(str, ERRED)
-_S_FORGOTTEN = cython.declare(str, FORGOTTEN)
+# Inside the core a task's state is its index in TASK_STATES (``TaskState.state_id``):
+# these C constants when compiled, so a state test is an integer comparison and a move is
+# dispatched by a C switch (``_move``), never a string compare or a dict lookup. Every
+# interface (messages, the transition log, ``ts.state``, counters) shows the names.
+_S_RELEASED = cython.declare(cython.int, 0)
+_S_WAITING = cython.declare(cython.int, 1)
+_S_QUEUED = cython.declare(cython.int, 2)
+_S_NO_WORKER = cython.declare(cython.int, 3)
+_S_PROCESSING = cython.declare(cython.int, 4)
+_S_MEMORY = cython.declare(cython.int, 5)
+_S_ERRED = cython.declare(cython.int, 6)
+_S_FORGOTTEN = cython.declare(cython.int, 7)
+_NAMES = cython.declare(tuple, TASK_STATES)
 
 
 @cython.cfunc
 @cython.inline
-def _state_index(state: str) -> cython.int:
-    """A state's slot in the counters: its position in TASK_STATES.
+def _is_active(state: cython.int) -> cython.bint:
+    """Whether a task in ``state`` needs its dependencies' results (ACTIVE_STATES)."""
+    return _S_WAITING <= state <= _S_PROCESSING
 
-    Compiled, tasks hold the module's state strings themselves, so identity decides,
-    most frequent first; an equal string that is not one of them goes through the dict
-    (which is all the interpreted core does: one lookup beats eight comparisons there)."""
-    if not cython.compiled:
-        return _STATE_INDEX[state]
-    if state is _S_PROCESSING:
-        return 4
-    if state is _S_MEMORY:
-        return 5
-    if state is _S_WAITING:
-        return 1
-    if state is _S_RELEASED:
-        return 0
-    if state is _S_QUEUED:
-        return 2
-    if state is _S_FORGOTTEN:
-        return 7
-    if state is _S_ERRED:
-        return 6
-    if state is _S_NO_WORKER:
-        return 3
-    return _STATE_INDEX[state]
+
+@cython.cfunc
+@cython.inline
+def _allowed(start: cython.int, finish: cython.int) -> cython.bint:
+    """Whether ``start -> finish`` is a transition of its own (in MOVES)."""
+    return (_MOVE_BITS >> (8 * start + finish)) & 1 == 1
 
 
 @cython.cfunc
@@ -391,7 +427,7 @@ def _needed_by_active(ts: TaskState) -> cython.bint:
     """Whether a task still to run needs the result of ``ts``."""
     dts: TaskState
     for dts in ts.dependents:
-        if dts.state in ACTIVE_STATES:
+        if _is_active(dts.state_id):
             return True
     return False
 
@@ -723,6 +759,8 @@ class SchedulerState:
     nbytes_in_memory: cython.Py_ssize_t  # result sizes of tasks in memory, each once
     total_nthreads: cython.Py_ssize_t  # of the registered workers
     _active_prefixes: dict  # name -> TaskPrefix that has tasks held
+    _durations: dict  # name -> (duration_average, n_durations) of a dropped prefix; bounded
+    _tasks_peak: cython.Py_ssize_t  # most tasks held since the tables were last rebuilt
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
@@ -738,6 +776,9 @@ class SchedulerState:
     steals_done: cython.Py_ssize_t  # tasks given back by their victim and placed again
     steal_bandwidth: cython.double  # bytes/s assumed for moving a stolen task's inputs
     steal_latency: cython.double  # seconds a move costs besides its inputs' transfer
+    # Called as hook(state, ts, start, finish) after every transition when set: the seam
+    # tests use to inject a fault into a transition. None otherwise.
+    _transition_hook: object
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -783,6 +824,8 @@ class SchedulerState:
         self.nbytes_in_memory = 0
         self.total_nthreads = 0
         self._active_prefixes = {}
+        self._durations = {}
+        self._tasks_peak = 0
         self.generation = 0
         self.queue_seq = 0
         self._recs = {}
@@ -796,6 +839,7 @@ class SchedulerState:
         self.steals_done = 0
         self.steal_bandwidth = 100e6
         self.steal_latency = 0.002
+        self._transition_hook = None
 
     def __repr__(self):
         return (f"<SchedulerState tasks={len(self.tasks)} workers={len(self.workers)} "
@@ -871,7 +915,7 @@ class SchedulerState:
         self.total_nthreads += nthreads
         ts: TaskState
         for ts in self.unrunnable:
-            self._recs[ts] = PROCESSING
+            self._recs[ts] = _S_PROCESSING
         return self._end()
 
     def remove_worker(self, address, stimulus_id, max_keys=None) -> tuple:
@@ -903,15 +947,16 @@ class SchedulerState:
             self._thief_gone(ws)
         ts: TaskState
         for ts in sorted(ws.processing, key=_priority_of):
-            ts.suspicious += 1
+            if ts.suspicious < _SUSPICIOUS_MAX:
+                ts.suspicious += 1
             if ts.suspicious >= self.allowed_failures:
                 ts.error = (None, None,
                             f"KilledWorker: {bounded_repr(ts.key)} was running on "
                             f"{ts.suspicious} workers that died, the last one {address}",
                             ts.key)
-                self._recs[ts] = ERRED
+                self._recs[ts] = _S_ERRED
             else:
-                self._recs[ts] = WAITING
+                self._recs[ts] = _S_WAITING
         self.departing[address] = ws
         if max_keys is not None and len(ws.has_what) > max_keys:
             # First the results that tasks still to run need: they must not wait for a
@@ -958,7 +1003,7 @@ class SchedulerState:
             ws.nbytes = 0
             self.departing.pop(ws.address, None)
         for ts in lost:
-            self._transition(ts, RELEASED)
+            self._transition(ts, _S_RELEASED)
 
     def update_graph(self, client, tasks, keys, stimulus_id) -> tuple:
         """A client submits tasks and names the keys it wants.
@@ -990,7 +1035,7 @@ class SchedulerState:
             self._add_want(ts, cs)
         for ts in created:
             if ts.dependents is None and ts.who_wants is None:
-                self._recs[ts] = FORGOTTEN
+                self._recs[ts] = _S_FORGOTTEN
         return self._end()
 
     def update_data(self, client, who_has, nbytes, stimulus_id) -> tuple:
@@ -1040,12 +1085,14 @@ class SchedulerState:
                 ts = TaskState(key, self._prefix_for(key), None)
                 self.tasks[key] = ts
                 self._count_new(ts.prefix)
-            elif ts.state != RELEASED and ts.state != MEMORY:
-                self._transition(ts, RELEASED)
+                if len(self.tasks) > self._tasks_peak:
+                    self._tasks_peak = len(self.tasks)
+            elif ts.state_id != _S_RELEASED and ts.state_id != _S_MEMORY:
+                self._transition(ts, _S_RELEASED)
                 self._recs.pop(ts, None)
             self._add_want_quiet(ts, cs)
             size = nbytes.get(key, 0)
-            if ts.state == RELEASED:
+            if ts.state_id == _S_RELEASED:
                 self._released_memory(ts, holders, size)
             else:
                 for ws in holders:
@@ -1075,9 +1122,11 @@ class SchedulerState:
         if ws is None:
             return self._end()  # a worker already removed: its results are gone
         ts: TaskState
-        for report in reports:
-            if type(report) is not dict or "key" not in report:
+        report: dict
+        for item in reports:
+            if type(item) is not dict or "key" not in item:
                 continue
+            report = item
             key = report["key"]
             try:
                 ts = self.tasks.get(key)
@@ -1089,7 +1138,7 @@ class SchedulerState:
             problem = _finished_problem(nbytes, type_name, data)
             if ts is None:
                 self._free_key(ws, key)
-            elif ts.state == PROCESSING and ts.processing_on is ws:
+            elif ts.state_id == _S_PROCESSING and ts.processing_on is ws:
                 if problem is None:
                     self._processing_memory(ts, ws, nbytes, type_name,
                                             _reported_duration(report), data)
@@ -1097,7 +1146,7 @@ class SchedulerState:
                     self._free_key(ws, key)
                     ts.error = (None, None, f"invalid task-finished report from {worker} "
                                             f"for {bounded_repr(key)}: {problem}", ts.key)
-                    self._transition(ts, ERRED)
+                    self._transition(ts, _S_ERRED)
             elif ts.who_has is None or ws not in ts.who_has:
                 # A stale result (the task moved on), or one it was never asked for: a
                 # worker names only results it was told to compute.
@@ -1119,28 +1168,30 @@ class SchedulerState:
         if ws is None:
             return self._end()
         ts: TaskState
-        for report in reports:
-            if type(report) is not dict or "key" not in report:
+        report: dict
+        for item in reports:
+            if type(item) is not dict or "key" not in item:
                 continue
+            report = item
             key = report["key"]
             try:
                 ts = self.tasks.get(key)
             except TypeError:
                 continue
-            if ts is None or ts.state != PROCESSING or ts.processing_on is not ws:
+            if ts is None or ts.state_id != _S_PROCESSING or ts.processing_on is not ws:
                 continue
             problem = _erred_problem(report)
             if problem is not None:
                 ts.error = (None, None, f"invalid task-erred report from {worker} for "
                                         f"{bounded_repr(key)}: {problem}", ts.key)
-                self._recs[ts] = ERRED
+                self._recs[ts] = _S_ERRED
             elif ts.retries > 0:
                 ts.retries -= 1
-                self._recs[ts] = WAITING
+                self._recs[ts] = _S_WAITING
             else:
                 ts.error = (report.get("exception"), report.get("traceback"),
                             report.get("text") or "", ts.key)
-                self._recs[ts] = ERRED
+                self._recs[ts] = _S_ERRED
         return self._end()
 
     def client_releases_keys(self, client, keys, stimulus_id) -> tuple:
@@ -1225,14 +1276,14 @@ class SchedulerState:
         roots = list(stack)
         while stack:
             ts = stack.pop()
-            if ts.state != ERRED:
+            if ts.state_id != _S_ERRED:
                 continue
-            self._transition(ts, RELEASED)
+            self._transition(ts, _S_RELEASED)
             for dep in ts.dependencies:
                 stack.append(dep)
         for ts in roots:
-            if ts.state == RELEASED:
-                self._recs[ts] = WAITING
+            if ts.state_id == _S_RELEASED:
+                self._recs[ts] = _S_WAITING
         return self._end()
 
     def missing_data(self, worker, key, errant_worker, stimulus_id) -> tuple:
@@ -1256,14 +1307,14 @@ class SchedulerState:
         ws: WorkerState = self.workers.get(errant_worker)
         if ws is None:
             ws = self.departing.get(errant_worker)
-        if ts is not None and ts.state == MEMORY and ws is not None \
+        if ts is not None and ts.state_id == _S_MEMORY and ws is not None \
                 and ts.who_has is not None and ws in ts.who_has:
             self._remove_holder(ts, ws)
             # No longer counted as a holder, it would keep its copy (if it has one)
             # forever: no later free-keys would name it.
             self._free_key(ws, ts.key)
             if ts.who_has is None:
-                self._transition(ts, RELEASED)
+                self._transition(ts, _S_RELEASED)
         return self._end()
 
     def reschedule(self, worker, key, stimulus_id) -> tuple:
@@ -1274,9 +1325,9 @@ class SchedulerState:
         _check_key(key, "reschedule")
         self._begin(stimulus_id)
         ts: TaskState = self.tasks.get(key)
-        if ts is not None and ts.state == PROCESSING and ts.processing_on is not None \
+        if ts is not None and ts.state_id == _S_PROCESSING and ts.processing_on is not None \
                 and ts.processing_on.address == worker:
-            self._recs[ts] = WAITING
+            self._recs[ts] = _S_WAITING
         return self._end()
 
     def task_seceded(self, worker, key, stimulus_id) -> tuple:
@@ -1290,7 +1341,7 @@ class SchedulerState:
         self._begin(stimulus_id)
         ts: TaskState = self.tasks.get(key)
         ws: WorkerState
-        if ts is not None and ts.state == PROCESSING and ts.processing_on is not None \
+        if ts is not None and ts.state_id == _S_PROCESSING and ts.processing_on is not None \
                 and ts.processing_on.address == worker:
             ws = ts.processing_on
             if ws.long_running is None:
@@ -1369,7 +1420,7 @@ class SchedulerState:
                                   "running worker")
         for key in keys:
             ts = self.tasks.get(key)
-            if ts is None or ts.state != MEMORY:
+            if ts is None or ts.state_id != _S_MEMORY:
                 raise InvalidStimulus(f"acquire_replicas: {bounded_repr(key)} is not in memory")
             if ws in ts.who_has:
                 raise InvalidStimulus(f"acquire_replicas: {worker} already holds "
@@ -1405,7 +1456,7 @@ class SchedulerState:
                 if asked is None:
                     continue  # named twice
                 ts = self.tasks.get(key)
-                if ts is asked and ts.state == MEMORY:
+                if ts is asked and ts.state_id == _S_MEMORY:
                     self._add_holder(ts, ws, ts.nbytes)
                 elif ts is None or (ts.processing_on is not ws
                                     and (ts.who_has is None or ws not in ts.who_has)):
@@ -1442,7 +1493,7 @@ class SchedulerState:
                                   "registered worker")
         for key in dict.fromkeys(keys):
             ts = self.tasks.get(key)
-            if ts is None or ts.state != MEMORY or ws not in ts.who_has:
+            if ts is None or ts.state_id != _S_MEMORY or ws not in ts.who_has:
                 raise InvalidStimulus(f"remove_replicas: {worker} holds no "
                                       f"{bounded_repr(key)}")
             if len(ts.who_has) < 2:
@@ -1476,7 +1527,7 @@ class SchedulerState:
             self.idle[worker] = ws
         ts: TaskState
         for ts in self.unrunnable:
-            self._recs[ts] = PROCESSING
+            self._recs[ts] = _S_PROCESSING
         return self._end()
 
     @cython.cfunc
@@ -1693,7 +1744,7 @@ class SchedulerState:
         if thief is None or thief.status != WORKER_RUNNING \
                 or self.workers.get(thief.address) is not thief \
                 or (self.departing and ts.dependencies):
-            self._transition(ts, WAITING)
+            self._transition(ts, _S_WAITING)
             return
         self._unassign(ts)
         self._assign(ts, thief)
@@ -1718,14 +1769,14 @@ class SchedulerState:
         for ws in self.workers.values():
             n_listed += len(ws.processing)
         for ts in self.tasks.values():
-            if ts.state == PROCESSING:
+            if ts.state_id == _S_PROCESSING:
                 n_processing += 1
         # with "listed on ws => processing on ws": each task is on exactly one worker
         _check(n_listed == n_processing, f"{n_listed} tasks listed as processing on "
                                          f"workers, {n_processing} are processing")
         requests = set()
         for ts, record in self._steals.items():
-            _check(self.tasks.get(ts.key) is ts and ts.state == PROCESSING
+            _check(self.tasks.get(ts.key) is ts and ts.state_id == _S_PROCESSING
                    and ts.processing_on is not None,
                    f"a steal of {ts} is in flight but it is not processing")
             _check(type(record) is list and len(record) == 2
@@ -1739,7 +1790,7 @@ class SchedulerState:
                        f"the thief {ws} of {ts} is its victim or not registered")
             _check(ts not in self._steal_refused, f"{ts} is refused and asked again")
         for ts in self._steal_refused:
-            _check(self.tasks.get(ts.key) is ts and ts.state == PROCESSING,
+            _check(self.tasks.get(ts.key) is ts and ts.state_id == _S_PROCESSING,
                    f"{ts} was refused to a thief but is not processing")
 
     # ------------------------------------------------------------------ authorization
@@ -1883,8 +1934,9 @@ class SchedulerState:
         """Per task prefix: ``{name: {"tasks": held, "task_counts": {state: n},
         "tasks_entered": {state: n}, "nbytes_in_memory": n}}`` (as in ``counters()``).
 
-        Only prefixes that have tasks held, unless ``every``: then also those whose
-        tasks are all forgotten (the scheduler keeps a prefix for its learned duration)."""
+        Only prefixes that have tasks held: a prefix is dropped with its last task (its
+        learned duration is kept apart). ``every`` is accepted for compatibility; it
+        adds nothing, as no prefix without tasks is kept."""
         prefix: TaskPrefix
         out = {}
         for prefix in (self.prefixes if every else self._active_prefixes).values():
@@ -1902,6 +1954,25 @@ class SchedulerState:
                             "processing": len(ws.processing), "in_memory": len(ws.has_what),
                             "nbytes": ws.nbytes, "occupancy": ws.occupancy}
         return out
+
+    @cython.cfunc
+    def _shrink_tables(self) -> None:
+        """Most of what a big graph brought is forgotten: rebuild the tables it grew at
+        their size now (a dict or set never shrinks by deletion; what it held stays
+        mapped), so that the memory goes back with the tasks. O(tasks left), done once
+        per shrink by _SHRINK_FACTOR."""
+        cs: ClientState
+        ws: WorkerState
+        self.tasks = dict(self.tasks)
+        self._tasks_peak = len(self.tasks)
+        self.unrunnable = dict(self.unrunnable)
+        for cs in self.clients.values():
+            cs.wants_what = set(cs.wants_what)
+        for ws in self.workers.values():
+            ws.has_what = dict(ws.has_what)
+            ws.processing = set(ws.processing)
+        for ws in self.departing.values():
+            ws.has_what = dict(ws.has_what)
 
     @cython.cfunc
     def _n_held(self) -> cython.Py_ssize_t:
@@ -1924,6 +1995,9 @@ class SchedulerState:
     @cython.cfunc
     def _end(self) -> tuple:
         self._engine()
+        if self._tasks_peak >= _SHRINK_MIN \
+                and len(self.tasks) * _SHRINK_FACTOR < self._tasks_peak:
+            self._shrink_tables()
         if self.validate:
             self.validate_state()  # before the messages are handed out: kept if it raises
         result = (self._client_msgs, self._worker_msgs)
@@ -1936,6 +2010,7 @@ class SchedulerState:
         """Apply recommendations until none are left; fill idle workers from the queue."""
         recs = self._recs
         ts: TaskState
+        finish: cython.int
         n: cython.Py_ssize_t = 0
         limit: cython.Py_ssize_t = self.max_transitions_per_stimulus
         if limit <= 0:
@@ -1950,9 +2025,11 @@ class SchedulerState:
             # Workers with room take queued tasks, most urgent first, until saturated.
             if not (self.n_queued > 0 and self.idle and self._pop_queued()):
                 break
+        if n >= _SHRINK_MIN:
+            self._recs = {}  # empty now, but its table kept the size of the peak
 
     @cython.cfunc
-    def _runaway(self, ts: TaskState, finish: str, limit: cython.Py_ssize_t) -> None:
+    def _runaway(self, ts: TaskState, finish: cython.int, limit: cython.Py_ssize_t) -> None:
         """Raise TransitionLimitExceeded; drop the pending recommendations (the loop).
 
         The messages collected so far are kept and go out with the next stimulus."""
@@ -1964,75 +2041,123 @@ class SchedulerState:
                   if stimulus_id == sid]
         raise TransitionLimitExceeded(
             f"stimulus {bounded_repr(sid)} ran more than {limit} transitions (a "
-            f"recommendation loop): next {bounded_repr(ts.key, 60)}: {ts.state} -> {finish}; "
+            f"recommendation loop): next {bounded_repr(ts.key, 60)}: {ts.state} -> "
+            f"{_NAMES[finish]}; "
             f"last transitions {recent}; {pending} more pending recommendations dropped")
 
     @cython.cfunc
-    def _transition(self, ts: TaskState, finish: str) -> None:
-        start: str = ts.state
-        if start == FORGOTTEN:
+    def _transition(self, ts: TaskState, finish: cython.int) -> None:
+        start: cython.int = ts.state_id
+        if start == _S_FORGOTTEN:
             return
-        if finish in ACTIVE_STATES and ts.who_wants is None and ts.n_waiters == 0:
+        if _is_active(finish) and ts.who_wants is None and ts.n_waiters == 0:
             # A later recommendation can outdate an earlier one: run nothing unneeded.
-            finish = RELEASED if ts.dependents is not None else FORGOTTEN
+            finish = _S_RELEASED if ts.dependents is not None else _S_FORGOTTEN
         if start == finish:
             return
-        row: dict = _TRANSITIONS[start]
-        func = row.get(finish)
         # try/finally: a transition that raises (a bug) after it moved the task still
         # has the move counted and logged, so the counters stay true to the tasks.
-        if func is not None:
+        if _allowed(start, finish):
             try:
-                func(self, ts)
+                self._move(ts, start, finish)
             finally:
                 self._log(ts, start)
-        else:
-            to_released = row.get(RELEASED)
-            from_released = _TRANSITIONS[RELEASED].get(finish)
-            if to_released is None or from_released is None:
-                raise InvalidTransition(f"{ts.key!r}: no transition {start} -> {finish}")
+        else:  # through released
+            if not _allowed(start, _S_RELEASED) or not _allowed(_S_RELEASED, finish):
+                raise InvalidTransition(f"{ts.key!r}: no transition {_NAMES[start]} -> "
+                                        f"{_NAMES[finish]}")
             try:
-                to_released(self, ts)
+                self._move(ts, start, _S_RELEASED)
             finally:
                 self._log(ts, start)
-            if ts.state == RELEASED:
+            if ts.state_id == _S_RELEASED:
                 try:
-                    from_released(self, ts)
+                    self._move(ts, _S_RELEASED, finish)
                 finally:
-                    self._log(ts, RELEASED)
+                    self._log(ts, _S_RELEASED)
         if self.validate:
             self._validate_task(ts)
 
     @cython.cfunc
-    def _log(self, ts: TaskState, start: str) -> None:
+    def _move(self, ts: TaskState, start: cython.int, finish: cython.int) -> None:
+        """Run the transition ``start -> finish`` (one of _MOVES) on ``ts``: a C switch
+        of direct calls when compiled."""
+        if start == _S_WAITING:
+            if finish == _S_PROCESSING:
+                self._transition_waiting_processing(ts)
+            elif finish == _S_QUEUED:
+                self._transition_waiting_queued(ts)
+            elif finish == _S_NO_WORKER:
+                self._transition_waiting_no_worker(ts)
+            elif finish == _S_RELEASED:
+                self._transition_waiting_released(ts)
+            else:
+                self._transition_waiting_erred(ts)
+        elif start == _S_RELEASED:
+            if finish == _S_WAITING:
+                self._transition_released_waiting(ts)
+            elif finish == _S_FORGOTTEN:
+                self._transition_released_forgotten(ts)
+            else:
+                self._transition_released_erred(ts)
+        elif start == _S_PROCESSING:
+            if finish == _S_RELEASED:
+                self._transition_processing_released(ts)
+            elif finish == _S_WAITING:
+                self._transition_processing_waiting(ts)
+            else:
+                self._transition_processing_erred(ts)
+        elif start == _S_MEMORY:
+            self._transition_memory_released(ts)
+        elif start == _S_QUEUED:
+            if finish == _S_PROCESSING:
+                self._transition_queued_processing(ts)
+            else:
+                self._transition_queued_released(ts)
+        elif start == _S_NO_WORKER:
+            if finish == _S_PROCESSING:
+                self._transition_no_worker_processing(ts)
+            elif finish == _S_WAITING:
+                self._transition_no_worker_waiting(ts)
+            else:
+                self._transition_no_worker_released(ts)
+        else:
+            self._transition_erred_released(ts)
+        if self._transition_hook is not None:
+            self._transition_hook(self, ts, _NAMES[start], _NAMES[finish])
+
+    @cython.cfunc
+    def _log(self, ts: TaskState, start: cython.int) -> None:
         """Count and log a move of ``ts`` from ``start`` to its state; every change of a
         task's state goes through here (a task is born released: ``_count_new``)."""
-        if ts.state != start:
+        if ts.state_id != start:
             self._count_move(ts, start)
             self.transition_counter += 1
             if self._recording:
-                self._recorded.extend((ts.key, start, ts.state, self._stimulus_id))
+                self._recorded.extend((ts.key, _NAMES[start], _NAMES[ts.state_id],
+                                       self._stimulus_id))
             if self._log_capacity <= 0:
                 return
             # Flat, not a tuple an entry: 40 bytes a transition instead of 88.
             log = self._log_entries
             i: cython.Py_ssize_t = self._log_next * 5  # _LOG_FIELDS, as a C constant
             if i == len(log):
-                log.extend((ts.key, start, ts.state, self._stimulus_id, self._now))
+                log.extend((ts.key, _NAMES[start], _NAMES[ts.state_id], self._stimulus_id,
+                            self._now))
             else:
                 log[i] = ts.key
-                log[i + 1] = start
-                log[i + 2] = ts.state
+                log[i + 1] = _NAMES[start]
+                log[i + 2] = _NAMES[ts.state_id]
                 log[i + 3] = self._stimulus_id
                 log[i + 4] = self._now
             self._log_next = (self._log_next + 1) % self._log_capacity
 
     @cython.cfunc
-    def _count_move(self, ts: TaskState, start: str) -> None:
-        """The counters follow ``ts`` from ``start`` to ``ts.state``: a few C increments."""
+    def _count_move(self, ts: TaskState, start: cython.int) -> None:
+        """The counters follow ``ts`` from ``start`` to ``ts.state_id``: a few C increments."""
         prefix: TaskPrefix = ts.prefix
-        i: cython.int = _state_index(start)
-        j: cython.int = _state_index(ts.state)
+        i: cython.int = start
+        j: cython.int = ts.state_id
         self._state_counts[i] -= 1
         self._state_counts[j] += 1
         self._state_totals[j] += 1
@@ -2060,49 +2185,54 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ transitions
 
+    @cython.cfunc
     def _transition_released_waiting(self, ts: TaskState) -> None:
         dep: TaskState
         if ts.run_spec is None:
             ts.error = (None, None, f"lost data: {ts.key!r} was scattered and every "
                                     "worker that held it is gone", ts.key)
-            self._recs[ts] = ERRED
+            self._recs[ts] = _S_ERRED
             return
         n: cython.Py_ssize_t = 0
         for dep in ts.dependencies:
-            if dep.state == ERRED:
+            if dep.state_id == _S_ERRED:
                 ts.error = dep.error
-                self._recs[ts] = ERRED
+                self._recs[ts] = _S_ERRED
                 return
-            if dep.state != MEMORY:
+            if dep.state_id != _S_MEMORY:
                 n += 1
         for dep in ts.dependencies:
-            if dep.state == RELEASED:
-                self._recs[dep] = WAITING
-        ts.state = WAITING
+            if dep.state_id == _S_RELEASED:
+                self._recs[dep] = _S_WAITING
+        ts.state_id = _S_WAITING
         ts.n_waiting_on = n
         self._enter_active(ts)
         if n == 0:
-            self._recs[ts] = QUEUED if not self.idle and self._queue_eligible(ts) \
-                else PROCESSING
+            self._recs[ts] = _S_QUEUED if not self.idle and self._queue_eligible(ts) \
+                else _S_PROCESSING
 
+    @cython.cfunc
     def _transition_waiting_processing(self, ts: TaskState) -> None:
         if self.departing and ts.dependencies and self._release_departed_inputs(ts):
             return  # waits for them again
         ws: WorkerState = self._decide_worker(ts)
         if ws is None:
-            self._recs[ts] = QUEUED if self._queue_eligible(ts) else NO_WORKER
+            self._recs[ts] = _S_QUEUED if self._queue_eligible(ts) else _S_NO_WORKER
             return
         self._assign(ts, ws)
 
+    @cython.cfunc
     def _transition_waiting_queued(self, ts: TaskState) -> None:
         self.n_queued += 1
         self._push_queued(ts)
-        ts.state = QUEUED
+        ts.state_id = _S_QUEUED
 
+    @cython.cfunc
     def _transition_waiting_no_worker(self, ts: TaskState) -> None:
         self.unrunnable[ts] = None
-        ts.state = NO_WORKER
+        ts.state_id = _S_NO_WORKER
 
+    @cython.cfunc
     def _transition_queued_processing(self, ts: TaskState) -> None:
         ws: WorkerState = self._decide_worker(ts)
         if ws is None:
@@ -2111,6 +2241,7 @@ class SchedulerState:
         self.n_queued -= 1
         self._assign(ts, ws)
 
+    @cython.cfunc
     def _transition_no_worker_processing(self, ts: TaskState) -> None:
         if self.departing and ts.dependencies and self._release_departed_inputs(ts):
             return  # recommended waiting: it waits for them again
@@ -2120,6 +2251,7 @@ class SchedulerState:
         del self.unrunnable[ts]
         self._assign(ts, ws)
 
+    @cython.cfunc
     def _transition_processing_waiting(self, ts: TaskState) -> None:
         """Start over without leaving the active states: inputs keep their waiter counts,
         so none of them is recommended 'released' on the way."""
@@ -2132,6 +2264,7 @@ class SchedulerState:
         self._free_key(ws, ts.key)
         self._rewait(ts)
 
+    @cython.cfunc
     def _transition_no_worker_waiting(self, ts: TaskState) -> None:
         if self._input_erred(ts):
             self._transition_no_worker_released(ts)
@@ -2144,7 +2277,7 @@ class SchedulerState:
     def _input_erred(self, ts: TaskState) -> cython.bint:
         dep: TaskState
         for dep in ts.dependencies:
-            if dep.state == ERRED:
+            if dep.state_id == _S_ERRED:
                 return True
         return False
 
@@ -2153,56 +2286,65 @@ class SchedulerState:
         dep: TaskState
         n: cython.Py_ssize_t = 0
         for dep in ts.dependencies:
-            if dep.state != MEMORY:
+            if dep.state_id != _S_MEMORY:
                 n += 1
-                if dep.state == RELEASED:
-                    self._recs[dep] = WAITING
-        ts.state = WAITING
+                if dep.state_id == _S_RELEASED:
+                    self._recs[dep] = _S_WAITING
+        ts.state_id = _S_WAITING
         ts.n_waiting_on = n
         if n == 0:
-            self._recs[ts] = PROCESSING
+            self._recs[ts] = _S_PROCESSING
 
+    @cython.cfunc
     def _transition_waiting_released(self, ts: TaskState) -> None:
         ts.n_waiting_on = 0
         self._deactivate(ts)
 
+    @cython.cfunc
     def _transition_queued_released(self, ts: TaskState) -> None:
         self.n_queued -= 1
         if len(self.queued) > 2 * self.n_queued + 64:
             self._compact_queue()
         self._deactivate(ts)
 
+    @cython.cfunc
     def _transition_no_worker_released(self, ts: TaskState) -> None:
         del self.unrunnable[ts]
         self._deactivate(ts)
 
+    @cython.cfunc
     def _transition_processing_released(self, ts: TaskState) -> None:
         ws: WorkerState = ts.processing_on
         self._unassign(ts)
         self._free_key(ws, ts.key)
         self._deactivate(ts)
 
+    @cython.cfunc
     def _transition_processing_erred(self, ts: TaskState) -> None:
         self._unassign(ts)
-        ts.state = ERRED
+        ts.state_id = _S_ERRED
         self._leave_active(ts)
         self._announce_error(ts)
 
+    @cython.cfunc
     def _transition_waiting_erred(self, ts: TaskState) -> None:
         ts.n_waiting_on = 0
-        ts.state = ERRED
+        ts.state_id = _S_ERRED
         self._leave_active(ts)
         self._announce_error(ts)
 
+    @cython.cfunc
     def _transition_released_erred(self, ts: TaskState) -> None:
-        ts.state = ERRED
+        ts.state_id = _S_ERRED
         self._announce_error(ts)
 
+    @cython.cfunc
     def _transition_erred_released(self, ts: TaskState) -> None:
         ts.error = None
-        ts.state = RELEASED
+        ts.state_id = _S_RELEASED
         self._after_release(ts)
 
+    @cython.cfunc
     def _transition_memory_released(self, ts: TaskState) -> None:
         ws: WorkerState
         dts: TaskState
@@ -2212,15 +2354,16 @@ class SchedulerState:
                 ws.nbytes -= ts.nbytes
                 self._free_key(ws, ts.key)
             ts.who_has = None
-        ts.state = RELEASED
+        ts.state_id = _S_RELEASED
         if ts.dependents is not None:
             for dts in ts.dependents:
-                if dts.state == WAITING:
+                if dts.state_id == _S_WAITING:
                     dts.n_waiting_on += 1
-                elif dts.state == PROCESSING or dts.state == NO_WORKER:
-                    self._recs[dts] = WAITING  # its input is gone: start it over
+                elif dts.state_id == _S_PROCESSING or dts.state_id == _S_NO_WORKER:
+                    self._recs[dts] = _S_WAITING  # its input is gone: start it over
         self._after_release(ts)
 
+    @cython.cfunc
     def _transition_released_forgotten(self, ts: TaskState) -> None:
         dep: TaskState
         if ts.who_wants is not None or ts.dependents is not None or ts.n_waiters:
@@ -2228,20 +2371,20 @@ class SchedulerState:
         for dep in ts.dependencies:
             dep.dependents = _without_dependent(dep.dependents, ts)
             if dep.dependents is None:
-                if dep.who_wants is None and (dep.state == RELEASED or dep.state == ERRED
-                                              or dep.state == MEMORY):
-                    self._recs[dep] = FORGOTTEN
+                if dep.who_wants is None and (dep.state_id == _S_RELEASED or dep.state_id == _S_ERRED
+                                              or dep.state_id == _S_MEMORY):
+                    self._recs[dep] = _S_FORGOTTEN
         ts.dependencies = _NO_DEPENDENCIES
         ts.run_spec = None
         ts.error = None
-        ts.state = FORGOTTEN
+        ts.state_id = _S_FORGOTTEN
         del self.tasks[ts.key]
         if not self.tasks:
             self.tasks = {}  # a dict never shrinks: hand a big graph's table back
         prefix: TaskPrefix = ts.prefix
         prefix.n_tasks -= 1
         if prefix.n_tasks == 0:
-            del self._active_prefixes[prefix.name]
+            self._drop_prefix(prefix)
 
     # ------------------------------------------------------------------ direct transitions
 
@@ -2250,11 +2393,11 @@ class SchedulerState:
                            type_name, duration: cython.double, data) -> None:
         cs: ClientState
         self._unassign(ts)
-        ts.prefix.add_duration(duration)
+        _add_duration(ts.prefix, duration)
         ts.type_name = type_name
-        ts.state = MEMORY
+        ts.state_id = _S_MEMORY
         self._add_holder(ts, ws, nbytes)
-        self._log(ts, PROCESSING)
+        self._log(ts, _S_PROCESSING)
         self._leave_active(ts)
         self._dependents_gain_input(ts)
         if ts.who_wants is not None:
@@ -2264,7 +2407,7 @@ class SchedulerState:
             for cs in ts.who_wants:
                 self._send_client(cs, msg)
         elif ts.n_waiters == 0:
-            self._recs[ts] = RELEASED  # nobody needs it any more
+            self._recs[ts] = _S_RELEASED  # nobody needs it any more
         if self.validate:
             self._validate_task(ts)
 
@@ -2272,10 +2415,10 @@ class SchedulerState:
     def _released_memory(self, ts: TaskState, holders: list, nbytes: cython.Py_ssize_t) -> None:
         ws: WorkerState
         cs: ClientState
-        ts.state = MEMORY
+        ts.state_id = _S_MEMORY
         for ws in holders:
             self._add_holder(ts, ws, nbytes)
-        self._log(ts, RELEASED)
+        self._log(ts, _S_RELEASED)
         self._dependents_gain_input(ts)
         if ts.who_wants is not None:
             for cs in ts.who_wants:
@@ -2319,8 +2462,25 @@ class SchedulerState:
         prefix: TaskPrefix = self.prefixes.get(name)
         if prefix is None:
             prefix = TaskPrefix(name)
+            learned = self._durations.pop(name, None)
+            if learned is not None:
+                prefix.duration_average, prefix.n_durations = learned
             self.prefixes[name] = prefix
         return prefix
+
+    @cython.cfunc
+    def _drop_prefix(self, prefix: TaskPrefix) -> None:
+        """The last task of ``prefix`` was forgotten: the prefix goes, its learned
+        duration stays (bounded: the oldest goes first) for the next tasks of that name."""
+        del self._active_prefixes[prefix.name]
+        if self.prefixes.get(prefix.name) is prefix:
+            del self.prefixes[prefix.name]
+        if self._prefix_of_name:
+            self._prefix_of_name.clear()  # no layer may lead to the dropped prefix
+        if prefix.n_durations > 0:
+            if len(self._durations) >= _DURATIONS_KEPT:
+                del self._durations[next(iter(self._durations))]
+            self._durations[prefix.name] = (prefix.duration_average, prefix.n_durations)
 
     @cython.cfunc
     def _slots_for(self, nthreads: cython.Py_ssize_t) -> cython.Py_ssize_t:
@@ -2362,13 +2522,13 @@ class SchedulerState:
     def _add_want(self, ts: TaskState, cs: ClientState) -> None:
         """The client wants ``ts``: tell it at once if the answer is known, else run it."""
         self._add_want_quiet(ts, cs)
-        if ts.state == MEMORY:
+        if ts.state_id == _S_MEMORY:
             self._send_client(cs, {"op": "key-in-memory", "key": ts.key,
                                    "type": ts.type_name})
-        elif ts.state == ERRED:
+        elif ts.state_id == _S_ERRED:
             self._send_client(cs, self._error_msg(ts))
-        elif ts.state == RELEASED:
-            self._recs[ts] = WAITING
+        elif ts.state_id == _S_RELEASED:
+            self._recs[ts] = _S_WAITING
 
     @cython.cfunc
     def _add_want_quiet(self, ts: TaskState, cs: ClientState) -> None:
@@ -2383,11 +2543,11 @@ class SchedulerState:
         ts.who_wants = _tuple_without(ts.who_wants, cs)
         cs.wants_what.discard(ts)
         if ts.who_wants is None and ts.n_waiters == 0:
-            if ts.state == RELEASED:
+            if ts.state_id == _S_RELEASED:
                 if ts.dependents is None:
-                    self._recs[ts] = FORGOTTEN
+                    self._recs[ts] = _S_FORGOTTEN
             else:
-                self._recs[ts] = RELEASED if ts.dependents is not None else FORGOTTEN
+                self._recs[ts] = _S_RELEASED if ts.dependents is not None else _S_FORGOTTEN
 
     @cython.cfunc
     def _add_holder(self, ts: TaskState, ws: WorkerState, nbytes: cython.Py_ssize_t) -> None:
@@ -2417,13 +2577,13 @@ class SchedulerState:
         dep: TaskState
         for dep in ts.dependencies:
             dep.n_waiters -= 1
-            if dep.n_waiters == 0 and dep.who_wants is None and dep.state != RELEASED \
-                    and dep.state != ERRED:
-                self._recs[dep] = RELEASED
+            if dep.n_waiters == 0 and dep.who_wants is None and dep.state_id != _S_RELEASED \
+                    and dep.state_id != _S_ERRED:
+                self._recs[dep] = _S_RELEASED
 
     @cython.cfunc
     def _deactivate(self, ts: TaskState) -> None:
-        ts.state = RELEASED
+        ts.state_id = _S_RELEASED
         self._leave_active(ts)
         self._after_release(ts)
 
@@ -2431,9 +2591,9 @@ class SchedulerState:
     def _after_release(self, ts: TaskState) -> None:
         """A task just became released: run it again if needed, forget it if unused."""
         if ts.who_wants is not None or ts.n_waiters > 0:
-            self._recs[ts] = WAITING
+            self._recs[ts] = _S_WAITING
         elif ts.dependents is None:
-            self._recs[ts] = FORGOTTEN
+            self._recs[ts] = _S_FORGOTTEN
 
     @cython.cfunc
     def _dependents_gain_input(self, ts: TaskState) -> None:
@@ -2442,14 +2602,14 @@ class SchedulerState:
             return
         ready = []
         for dts in ts.dependents:
-            if dts.state == WAITING:
+            if dts.state_id == _S_WAITING:
                 dts.n_waiting_on -= 1
                 if dts.n_waiting_on == 0:
                     ready.append(dts)
         if len(ready) > 1:
             ready.sort(key=_priority_of, reverse=True)  # recommendations pop LIFO
         for dts in ready:
-            self._recs[dts] = PROCESSING
+            self._recs[dts] = _S_PROCESSING
 
     @cython.cfunc
     def _error_msg(self, ts: TaskState) -> dict:
@@ -2468,11 +2628,11 @@ class SchedulerState:
                 self._send_client(cs, msg)
         if ts.dependents is not None:
             for dts in ts.dependents:
-                if dts.state == WAITING or dts.state == RELEASED and dts.who_wants is not None:
+                if dts.state_id == _S_WAITING or dts.state_id == _S_RELEASED and dts.who_wants is not None:
                     dts.error = ts.error
-                    self._recs[dts] = ERRED
+                    self._recs[dts] = _S_ERRED
         if ts.who_wants is None and ts.dependents is None and ts.n_waiters == 0:
-            self._recs[ts] = FORGOTTEN
+            self._recs[ts] = _S_FORGOTTEN
 
     # ------------------------------------------------------------------ placement
 
@@ -2516,7 +2676,7 @@ class SchedulerState:
             if not here:
                 lost.append(dep)
         for dep in lost:
-            self._transition(dep, RELEASED)
+            self._transition(dep, _S_RELEASED)
         return len(lost) > 0
 
     @cython.cfunc
@@ -2592,13 +2752,15 @@ class SchedulerState:
 
     @cython.cfunc
     def _assign(self, ts: TaskState, ws: WorkerState) -> None:
+        dep: TaskState
+        holder: WorkerState
         ts.processing_on = ws
         ts.estimate = self._estimate(ts)
         ws.processing.add(ts)
         ws.occupancy += ts.estimate
         if self._saturated(ws):
             self.idle.pop(ws.address, None)
-        ts.state = PROCESSING
+        ts.state_id = _S_PROCESSING
         msg = {"op": "compute-task", "key": ts.key, "spec": ts.run_spec,
                "priority": (ts.priority_user, ts.generation, ts.order),
                "stimulus_id": self._stimulus_id}
@@ -2606,8 +2768,15 @@ class SchedulerState:
             if self.departing:
                 msg["who_has"] = {dep.key: _holder_addresses(dep) for dep in ts.dependencies}
             else:
-                msg["who_has"] = {dep.key: [dws.address for dws in dep.who_has]
-                                  for dep in ts.dependencies}
+                who_has = {}
+                for dep in ts.dependencies:
+                    holders: tuple = dep.who_has
+                    if len(holders) == 1:
+                        holder = holders[0]
+                        who_has[dep.key] = holder.addresses
+                    else:
+                        who_has[dep.key] = [dws.address for dws in holders]
+                msg["who_has"] = who_has
         if ts.options is not None and ts.options.resources is not None:
             msg["resources"] = ts.options.resources
         self._send_worker(ws, msg)
@@ -2653,8 +2822,8 @@ class SchedulerState:
             return False
         while self.queued:
             ts = heapq.heappop(self.queued)[4]
-            if ts.state == QUEUED and ts not in self._recs:
-                self._recs[ts] = PROCESSING
+            if ts.state_id == _S_QUEUED and ts not in self._recs:
+                self._recs[ts] = _S_PROCESSING
                 return True
         return False
 
@@ -2666,7 +2835,7 @@ class SchedulerState:
         entries = []
         for entry in self.queued:
             ts = entry[4]
-            if ts.state == QUEUED and ts not in seen:
+            if ts.state_id == _S_QUEUED and ts not in seen:
                 seen.add(ts)
                 entries.append(entry)
         heapq.heapify(entries)
@@ -2685,28 +2854,34 @@ class SchedulerState:
         position = {}
         entries = []
         i: cython.Py_ssize_t
-        for i, entry in enumerate(tasks):
-            key = _check_task_entry(i, entry)
+        n: cython.Py_ssize_t
+        for i, item in enumerate(tasks):
+            key = _check_task_entry(i, item)
             if key in known:
                 continue
-            if key in position:
+            n = len(entries)
+            if position.setdefault(key, n) != n:
                 raise GraphError(f"key {bounded_repr(key)} appears twice in the graph")
-            _check_new_task(key, entry)
-            position[key] = len(entries)
-            entries.append(entry)
+            _check_new_task(key, item)
+            entries.append(item)
         in_order: cython.bint = True
+        entry: dict
         for i, entry in enumerate(entries):
             deps = entry.get("deps")
             if not deps:
                 continue
             for dep in deps:
-                problem = _key_problem(dep)
-                if problem is not None:
-                    raise GraphError(f"task {bounded_repr(entry['key'])}: dependency {problem}")
-                if dep in known:
-                    continue
-                j = position.get(dep)
+                try:
+                    j = position.get(dep)  # most inputs are new: one lookup for them
+                except TypeError:
+                    j = None
                 if j is None:
+                    problem = _key_problem(dep)
+                    if problem is not None:
+                        raise GraphError(f"task {bounded_repr(entry['key'])}: dependency "
+                                         f"{problem}")
+                    if dep in known:
+                        continue
                     raise GraphError(f"task {bounded_repr(entry['key'])} depends on unknown "
                                      f"key {bounded_repr(dep)}")
                 if j >= i:
@@ -2729,6 +2904,9 @@ class SchedulerState:
         self.generation += 1
         tasks = self.tasks
         created = []
+        same_deps = None  # the last deps list, and its tuple: shared by tasks after it
+        same_tuple: tuple = _NO_DEPENDENCIES
+        entry: dict
         i: cython.Py_ssize_t
         for i, entry in enumerate(entries):
             key = entry["key"]
@@ -2748,9 +2926,14 @@ class SchedulerState:
             ts.retries = entry.get("retries") or 0
             deps = entry.get("deps")
             if deps:
-                if len(deps) > 1:
-                    deps = dict.fromkeys(deps)
-                ts.dependencies = tuple([tasks[d] for d in deps])
+                if same_deps is not None and deps == same_deps:
+                    ts.dependencies = same_tuple  # e.g. map over one future: one tuple
+                else:
+                    same_deps = deps
+                    if len(deps) > 1:
+                        deps = dict.fromkeys(deps)
+                    same_tuple = tuple([tasks[d] for d in deps])
+                    ts.dependencies = same_tuple
                 for dep in ts.dependencies:
                     dep.dependents = _with_dependent(dep.dependents, ts)
             workers = entry.get("workers")
@@ -2765,6 +2948,8 @@ class SchedulerState:
             tasks[key] = ts
             self._count_new(prefix)
             created.append(ts)
+        if len(tasks) > self._tasks_peak:
+            self._tasks_peak = len(tasks)
         return created
 
     # ------------------------------------------------------------------ validation
@@ -2780,22 +2965,22 @@ class SchedulerState:
             self._validate_settled(ts)
         n_queued = 0
         for ts in self.tasks.values():
-            if ts.state == QUEUED:
+            if ts.state_id == _S_QUEUED:
                 n_queued += 1
         _check(n_queued == self.n_queued, f"{self.n_queued} counted queued, {n_queued} are")
-        queued_in_heap = {entry[4] for entry in self.queued if entry[4].state == QUEUED}
+        queued_in_heap = {entry[4] for entry in self.queued if entry[4].state_id == _S_QUEUED}
         _check(len(queued_in_heap) == n_queued, "a queued task is missing from the queue")
         if n_queued:
             _check(not self.idle, f"tasks are queued while workers are idle: {self.idle}")
         for ts in self.unrunnable:
-            _check(ts.state == NO_WORKER, f"{ts} is unrunnable")
+            _check(ts.state_id == _S_NO_WORKER, f"{ts} is unrunnable")
             _check(self._decide_worker(ts) is None, f"{ts} is unrunnable but fits a worker")
         for address, ws in self.departing.items():
             _check(ws.address == address and ws.status == WORKER_CLOSED
                    and address not in self.workers and not ws.processing,
                    f"{ws} departing")
             for ts in ws.has_what:
-                _check(ts.state == MEMORY and ws in ts.who_has, f"{ts} listed in {ws}")
+                _check(ts.state_id == _S_MEMORY and ws in ts.who_has, f"{ts} listed in {ws}")
             nbytes = sum([ts.nbytes for ts in ws.has_what])
             _check(ws.nbytes == nbytes, f"{ws} holds {nbytes} bytes, counted {ws.nbytes}")
         for address, ws in self.workers.items():
@@ -2805,10 +2990,10 @@ class SchedulerState:
             _check(ws.acquiring is None or len(ws.acquiring) > 0,
                    f"{ws} has an empty acquiring dict")
             for ts in ws.processing:
-                _check(ts.state == PROCESSING and ts.processing_on is ws,
+                _check(ts.state_id == _S_PROCESSING and ts.processing_on is ws,
                        f"{ts} listed as processing on {ws}")
             for ts in ws.has_what:
-                _check(ts.state == MEMORY and ws in ts.who_has, f"{ts} listed in {ws}")
+                _check(ts.state_id == _S_MEMORY and ws in ts.who_has, f"{ts} listed in {ws}")
             nbytes = sum([ts.nbytes for ts in ws.has_what])
             _check(ws.nbytes == nbytes, f"{ws} holds {nbytes} bytes, counted {ws.nbytes}")
             occupancy = sum([ts.estimate for ts in ws.processing])
@@ -2844,10 +3029,12 @@ class SchedulerState:
         counts = [0] * 7
         nbytes = 0
         by_prefix = {}  # TaskPrefix -> [tasks in each held state..., bytes in memory]
+        i: cython.int
         for ts in self.tasks.values():
-            i = _STATE_INDEX.get(ts.state, 7)
-            if i == 7:
-                raise InvariantError(f"{ts} is in no state a task can be held in")
+            i = ts.state_id
+            if not 0 <= i < 7:
+                raise InvariantError(f"task {ts.key!r} is in no state a task can be held in "
+                                     f"(state_id {i})")
             counts[i] += 1
             figures = by_prefix.get(ts.prefix)
             if figures is None:
@@ -2871,13 +3058,10 @@ class SchedulerState:
         active = self._active_prefixes
         for name, prefix in self.prefixes.items():
             figures = by_prefix.pop(prefix, None)
-            if figures is None:  # no task held: every count zero (most prefixes; quick)
-                if prefix.n_tasks == 0 and prefix.nbytes_in_memory == 0 \
-                        and name not in active and prefix.name == name:
-                    held = prefix.counts
-                    if held[:7] == zero[:7]:
-                        continue
-                figures = zero
+            if figures is None:
+                raise InvariantError(f"{prefix!r} (registered as {name!r}) is kept with no "
+                                     f"task held (counted {prefix.n_tasks}); active: "
+                                     f"{name in active}")
             held = prefix.counts
             if (held[:7] != figures[:7] or prefix.nbytes_in_memory != figures[7]
                     or prefix.n_tasks != sum(figures[:7]) or prefix.name != name
@@ -2893,8 +3077,11 @@ class SchedulerState:
                                      f"only {entered} entered them")
         if by_prefix:
             raise InvariantError(f"tasks have unregistered prefixes: {list(by_prefix)[:3]}")
-        if len(self._active_prefixes) > len(self.prefixes):
-            raise InvariantError("more active prefixes than prefixes")
+        if len(self._active_prefixes) != len(self.prefixes):
+            raise InvariantError(f"{len(self._active_prefixes)} active prefixes, "
+                                 f"{len(self.prefixes)} registered")
+        if len(self._durations) > _DURATIONS_KEPT:
+            raise InvariantError(f"{len(self._durations)} durations kept")
         if self.total_nthreads != sum([ws.nthreads for ws in self.workers.values()]):
             raise InvariantError(f"counted {self.total_nthreads} threads")
 
@@ -2902,15 +3089,15 @@ class SchedulerState:
     def _validate_settled(self, ts: TaskState) -> None:
         """Between stimuli nothing is stuck and nothing is kept that nobody needs."""
         needed: cython.bint = ts.who_wants is not None or ts.n_waiters > 0
-        if ts.state == RELEASED:
+        if ts.state_id == _S_RELEASED:
             _check(not needed, f"{ts} is needed but not running")
             _check(ts.dependents is not None, f"{ts} is kept but nothing refers to it")
-        elif ts.state == ERRED:
+        elif ts.state_id == _S_ERRED:
             _check(ts.who_wants is not None or ts.dependents is not None,
                    f"{ts} is kept but nothing refers to it")
         else:
             _check(needed, f"{ts} is {ts.state} but nobody needs it")
-        if ts.state == WAITING:
+        if ts.state_id == _S_WAITING:
             _check(ts.n_waiting_on > 0, f"{ts} is waiting on nothing")
 
     @cython.cfunc
@@ -2919,14 +3106,14 @@ class SchedulerState:
         dts: TaskState
         ws: WorkerState
         cs: ClientState
-        state = ts.state
-        if state == FORGOTTEN:
+        state: cython.int = ts.state_id
+        if state == _S_FORGOTTEN:
             _check(ts.key not in self.tasks or self.tasks[ts.key] is not ts,
                    f"{ts} is forgotten but still stored")
             return
         _check(self.tasks.get(ts.key) is ts, f"{ts} is not stored under its key")
         for dep in ts.dependencies:
-            _check(dep.state != FORGOTTEN, f"{ts} depends on forgotten {dep}")
+            _check(dep.state_id != _S_FORGOTTEN, f"{ts} depends on forgotten {dep}")
             _check(dep.dependents is not None and ts in dep.dependents,
                    f"{ts} missing from the dependents of {dep}")
         if ts.dependents is not None:
@@ -2936,7 +3123,7 @@ class SchedulerState:
             n_active = 0
             for dts in ts.dependents:
                 _check(ts in dts.dependencies, f"{dts} is a dependent of {ts} but not inverse")
-                if dts.state in ACTIVE_STATES:
+                if _is_active(dts.state_id):
                     n_active += 1
             _check(ts.n_waiters == n_active,
                    f"{ts} counts {ts.n_waiters} waiters, {n_active} dependents are active")
@@ -2946,19 +3133,19 @@ class SchedulerState:
             _check(len(ts.who_wants) > 0, f"{ts} has an empty who_wants")
             for cs in ts.who_wants:
                 _check(ts in cs.wants_what, f"{ts} wanted by {cs}, not in its wants_what")
-        if state == WAITING:
-            n = len([dep for dep in ts.dependencies if dep.state != MEMORY])
+        if state == _S_WAITING:
+            n = len([dep for dep in ts.dependencies if dep.state_id != _S_MEMORY])
             _check(ts.n_waiting_on == n, f"{ts} waits on {ts.n_waiting_on}, {n} are missing")
-            _check(all([dep.state != ERRED for dep in ts.dependencies]),
+            _check(all([dep.state_id != _S_ERRED for dep in ts.dependencies]),
                    f"{ts} waits on an erred dependency")
-        if state == PROCESSING:
+        if state == _S_PROCESSING:
             ws = ts.processing_on
             _check(ws is not None and ts in ws.processing, f"{ts} not on its worker")
-            _check(all([dep.state == MEMORY for dep in ts.dependencies]),
+            _check(all([dep.state_id == _S_MEMORY for dep in ts.dependencies]),
                    f"{ts} is processing without all its inputs")
         else:
             _check(ts.processing_on is None, f"{ts} has processing_on {ts.processing_on}")
-        if state == MEMORY:
+        if state == _S_MEMORY:
             _check(ts.who_has is not None, f"{ts} is in memory nowhere")
             for ws in ts.who_has:
                 _check(ts in ws.has_what, f"{ts} not in has_what of {ws}")
@@ -2966,12 +3153,12 @@ class SchedulerState:
                        or self.departing.get(ws.address) is ws,
                        f"{ts} held by {ws}, neither registered nor departing")
         else:
-            _check(ts.who_has is None, f"{ts} has holders while {state}")
-        if state == QUEUED:
+            _check(ts.who_has is None, f"{ts} has holders while {ts.state}")
+        if state == _S_QUEUED:
             _check(not ts.dependencies, f"{ts} is queued but has dependencies")
-        if state == NO_WORKER:
+        if state == _S_NO_WORKER:
             _check(ts in self.unrunnable, f"{ts} is no-worker but not unrunnable")
-        if state == ERRED:
+        if state == _S_ERRED:
             _check(ts.error is not None, f"{ts} erred without an error")
 
 
@@ -3040,38 +3227,18 @@ def _topological(entries: list, position: dict, known: dict) -> list:
     return ordered
 
 
-# Every allowed move: _TRANSITIONS[start][finish]. Moves missing here go via "released".
-_TRANSITIONS = {
-    RELEASED: {
-        WAITING: SchedulerState._transition_released_waiting,
-        ERRED: SchedulerState._transition_released_erred,
-        FORGOTTEN: SchedulerState._transition_released_forgotten,
-    },
-    WAITING: {
-        PROCESSING: SchedulerState._transition_waiting_processing,
-        QUEUED: SchedulerState._transition_waiting_queued,
-        NO_WORKER: SchedulerState._transition_waiting_no_worker,
-        RELEASED: SchedulerState._transition_waiting_released,
-        ERRED: SchedulerState._transition_waiting_erred,
-    },
-    QUEUED: {
-        PROCESSING: SchedulerState._transition_queued_processing,
-        RELEASED: SchedulerState._transition_queued_released,
-    },
-    NO_WORKER: {
-        PROCESSING: SchedulerState._transition_no_worker_processing,
-        WAITING: SchedulerState._transition_no_worker_waiting,
-        RELEASED: SchedulerState._transition_no_worker_released,
-    },
-    PROCESSING: {
-        RELEASED: SchedulerState._transition_processing_released,
-        WAITING: SchedulerState._transition_processing_waiting,
-        ERRED: SchedulerState._transition_processing_erred,
-    },
-    MEMORY: {
-        RELEASED: SchedulerState._transition_memory_released,
-    },
-    ERRED: {
-        RELEASED: SchedulerState._transition_erred_released,
-    },
-}
+# Every allowed move (start, finish), by name; ``SchedulerState._move`` runs them. Moves
+# missing here go through released.
+MOVES = frozenset([
+    (RELEASED, WAITING), (RELEASED, ERRED), (RELEASED, FORGOTTEN),
+    (WAITING, PROCESSING), (WAITING, QUEUED), (WAITING, NO_WORKER), (WAITING, RELEASED),
+    (WAITING, ERRED),
+    (QUEUED, PROCESSING), (QUEUED, RELEASED),
+    (NO_WORKER, PROCESSING), (NO_WORKER, WAITING), (NO_WORKER, RELEASED),
+    (PROCESSING, RELEASED), (PROCESSING, WAITING), (PROCESSING, ERRED),
+    (MEMORY, RELEASED),
+    (ERRED, RELEASED),
+])
+# MOVES as one bit per (start, finish): bit 8 * start + finish.
+_MOVE_BITS = cython.declare(cython.ulonglong,
+                            sum([1 << (8 * _STATE_INDEX[a] + _STATE_INDEX[b]) for a, b in MOVES]))

@@ -14,3 +14,7 @@ cclass = cfunc = ccall = final = inline = no_gc = _identity
 def declare(type_=None, value=None, **kwargs):
     """``x = cython.declare(T, value)``: a typed (C) module variable when compiled."""
     return value
+
+
+# C types named in ``cython.declare(T, value)``: placeholders, only the value is used.
+int = ulonglong = None  # noqa: A001

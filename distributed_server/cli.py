@@ -39,6 +39,7 @@ import distributed_core
 from . import config, logs
 from .comm import parse_address
 from .dashboard.http import DEFAULT_DASHBOARD_PORT, parse_http_address
+from .gc_pauses import GC_PAUSES, LoopCollector
 from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
 from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
 from .security import (
@@ -377,9 +378,13 @@ def _tune_gc_for_a_server() -> None:
     """The scheduler process allocates a few short-lived objects per message; the default
     threshold (700) runs a collection every few hundred tasks. Collect far less often, and
     never walk what existed at start-up (measured: about 18% less scheduler CPU per task,
-    benchmarks/e2e.py)."""
+    benchmarks/e2e.py). Collections run between the loop's callbacks, never inside a
+    stimulus, and are timed (gc_pauses.py): the metrics show them and one over a second
+    is logged."""
     gc.freeze()
     gc.set_threshold(100_000, 50, 1000)
+    GC_PAUSES.install()
+    LoopCollector().start()
 
 
 async def _serve_until_signal(server) -> None:
@@ -446,7 +451,7 @@ async def _run_worker(args) -> int:
     from .worker import Worker
 
     preloads = args.preloads
-
+    GC_PAUSES.install()
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,
                     resources=args.resources or None, host=args.host, port=args.port,
                     security=args.security, insecure=args.insecure,

@@ -137,7 +137,9 @@ from .taskspec import (
     _SEQUENCES,
     _digest,
     _task_options,
+    _MapEncoder,
     _TaskEncoder,
+    map_columns,
 )
 
 __all__ = [
@@ -721,21 +723,29 @@ class Client:
             **kwargs) -> list[Future]:
         """``submit`` over zipped ``iterables``: one update-graph per ``batch_size``
         tasks (default `MAP_BATCH_TASKS`), each taken or refused by the scheduler on its
-        own. ``key`` is a key prefix or a list of keys."""
+        own. ``key`` is a key prefix or a list of keys. A large function, an argument
+        that is the same object in every task and a large keyword argument are sent
+        once, as a task the others depend on (`taskspec._MapEncoder`)."""
         _refuse_actors("map", actor or actors)
         keys = key if isinstance(key, list) else None
         prefix = key if isinstance(key, str) else None
         options = _task_options(retries, priority, workers, resources, allow_other_workers)
         encoder = _TaskEncoder(self, func, pure, options, prefix)
-        arg_tuples = list(zip(*iterables))
-        if keys is not None and len(keys) != len(arg_tuples):
-            raise ValueError(f"map got {len(keys)} keys for {len(arg_tuples)} tasks")
-        tasks = [encoder.task(args, kwargs, keys[i] if keys else None)
-                 for i, args in enumerate(arg_tuples)]
+        columns, n = map_columns(iterables)
+        if keys is not None and len(keys) != n:
+            raise ValueError(f"map got {len(keys)} keys for {n} tasks")
+        mapper = _MapEncoder(encoder, columns, n, kwargs)
+        tasks = mapper.tasks(keys)
         step = batch_size or MAP_BATCH_TASKS
         futures: list[Future] = []
-        for start in range(0, len(tasks), step):
-            futures.extend(self._register(tasks[start:start + step]))
+        # shared values go first, wanted until the last batch that needs them is sent
+        shared = self._register(mapper.shared) if mapper.shared else []
+        try:
+            for start in range(0, len(tasks), step):
+                futures.extend(self._register(tasks[start:start + step]))
+        finally:
+            for future in shared:
+                future.release()
         return futures
 
     def get(self, dsk, keys, *, retries: int = 0, priority: int = 0, workers=None,

@@ -23,16 +23,21 @@ What it uses of its client: the key table (`Client._hold_graph`, `_hold_present`
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
 
 from . import dask_support
 from .client_comm import GraphTurn, log_background_failure
-from .futures import PENDING, GraphRefusedError, SchedulerConnectionError
+from .futures import FINISHED, PENDING, GraphRefusedError, SchedulerConnectionError
 from .taskspec import _flatten_keys, _LegacyGraph, _wire_spec
 
 __all__ = ["GraphSender"]
+
+#: Slices of a graph sent and not yet answered at most: the next one goes while the
+#: scheduler takes in the previous one.
+SLICES_IN_FLIGHT = 2
 
 logger = logging.getLogger("distributed_server.client")
 
@@ -151,49 +156,55 @@ class GraphSender:
         """Send a planned dask graph: slice by slice, one update-graph at a time.
 
         The next slice is pickled while the scheduler takes in the previous one; a
-        ``who-has`` request after each slice paces the sending, so the scheduler handles
-        one slice per turn of its event loop and serves heartbeats and other clients in
-        between. Slice sizes follow the time from sending a slice to that answer (which
-        covers pickling the next one), aiming at `dask_support.SLICE_SECONDS`. Frontier
+        ``who-has`` request after each slice paces the sending: at most
+        `SLICES_IN_FLIGHT` slices are unanswered, so the scheduler serves heartbeats and
+        other clients in between, and it never waits for the client's next slice while
+        the client waits for its answer. Slice sizes follow the time from sending a
+        slice to that answer (over the slices in flight; it covers pickling the next
+        one), aiming at `dask_support.SLICE_SECONDS`. Frontier
         keys are wanted only until their last dependent is sent
-        (`dask_support.SlicePart`). Failures fail the new keys.
+        (`dask_support.SlicePart`). A failure (a slice that cannot be
+        pickled, a refused slice, a lost connection) fails the new keys and leaves
+        nothing of the graph on the scheduler (`_give_up`).
         """
         client = self.client
         conn = client._conn
         temporary: set = set()
+        sent: set = set()  # keys sent so far (wanted, or frontier)
+        n_tasks_sent = 0
         try:
             await turn.wait(client._loop)  # what was queued before this graph goes first
             refusals = client._refusals
-            ack = None
-            sent_at, n_sent = 0.0, 0
+            acks: collections.deque = collections.deque()  # (reply, sent at, tasks)
             part = _encode(plan)
             while True:
-                if ack is not None:
+                while len(acks) >= SLICES_IN_FLIGHT:
+                    ack, sent_at, n_sent = acks.popleft()
                     await ack
                     taken = time.monotonic() - sent_at
                     logger.debug("graph slice of %d tasks taken in by the scheduler "
                                  "in %.1f ms", n_sent, 1e3 * taken)
-                    plan.adapt(n_sent, taken)
+                    plan.adapt(n_sent, taken / SLICES_IN_FLIGHT)
                     if client._refusals != refusals:
                         raise GraphRefusedError("the scheduler refused part of the "
                                                 "graph; the rest was not sent")
                 client._check_running()
                 conn.send_now({"op": "update-graph", "tasks": part.tasks, "keys": part.keys})
                 sent_at, n_sent = time.monotonic(), len(part.tasks)
+                sent.update(part.keys)
+                n_tasks_sent += n_sent
                 temporary.update(part.temporary)
                 if part.release:
                     temporary.difference_update(part.release)
                     client._release_temporary(part.release)
                 if plan.done:
                     break
-                ack = conn.ping()
+                acks.append((conn.ping(), sent_at, n_sent))
                 part = _encode(plan)  # while the scheduler takes it in
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
                 f"sending the graph was interrupted: {exc!r}")
-            for state in created:
-                if state.status == PENDING:
-                    state.fail(functools.partial(_same_error, error), None)
+            _give_up(client, created, sent, error, n_tasks_sent, len(plan.sequence))
             raise
         finally:
             if temporary:
@@ -213,6 +224,27 @@ def _encode(plan):
     """
     with dask_support.gc_paused():
         return plan.encode_next()
+
+
+def _give_up(client, created: list, sent: set, error: BaseException, n_sent: int,
+             n_tasks: int) -> None:
+    """Sending a graph failed part way: all its new keys fail with ``error``, those of
+    earlier slices that finished meanwhile too (the graph is all or nothing), and are
+    no longer tracked (a result arriving later cannot turn a failed future into a
+    finished one); the scheduler is told to release those it had received. Frontier
+    keys are released by the caller."""
+    released = []
+    for state in created:
+        if state.status in (PENDING, FINISHED):  # (finished: from an earlier slice)
+            state.fail(functools.partial(_same_error, error), None)
+            if client._detach(state) and state.key in sent:
+                released.append(state.key)
+    if released:
+        client._release_temporary(released)
+    if n_sent and isinstance(error, Exception):
+        error.add_note(f"distributed-core: sending the graph failed after {n_sent:,} of "
+                       f"{n_tasks:,} tasks had gone to the scheduler; those were "
+                       f"released, and every future of the graph fails with this error")
 
 
 def _futures_scheduler(sender: GraphSender, options: dict, dsk, keys, **kwargs) -> list:

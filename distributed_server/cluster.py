@@ -74,6 +74,7 @@ class LocalCluster:
         self._loop_thread: _LoopThread | None = None
         self._servers: list = []  # the scheduler, with processes=False
         self._workers: list = []  # nanny processes, or Worker objects (processes=False)
+        self._worker_names: list = []  # the name of each of _workers
         self._names = itertools.count()
         self._host = host
         self._log_level = log_level
@@ -136,6 +137,7 @@ class LocalCluster:
         """One more worker: a nanny process (``dcore worker``) and its worker, named
         ``worker-<i>``; a worker on the loop thread with ``processes=False``."""
         name = f"worker-{next(self._names)}"
+        self._worker_names.append(name)
         if not self.processes:
             from .worker import Worker
 
@@ -194,16 +196,21 @@ class LocalCluster:
     def scale(self, n: int, timeout: float = 30.0) -> None:
         """Run ``n`` workers: start new ones, or stop the most recently started ones.
 
-        A stopped worker's results are lost; the scheduler recomputes those still
-        wanted on the other workers (there is no graceful retirement that moves data
-        first). ``memory_limit`` stays what it was per worker."""
+        Workers leave gracefully: the scheduler first copies every result only they
+        hold to the workers that stay (``retire-workers``), then they stop. If that
+        cannot be done (no worker stays, or copies fail), they stop all the same and the
+        scheduler recomputes what is still wanted. ``memory_limit`` stays what it was
+        per worker."""
         if type(n) is not int or n < 0:
             raise ValueError(f"scale needs a number of workers >= 0, got {n!r}")
         while len(self._workers) < n:
             self._add_worker()
-        leaving = []
+        leaving, names = [], []
         while len(self._workers) > n:
             leaving.append(self._workers.pop())
+            names.append(self._worker_names.pop())
+        if names and n > 0:
+            self._retire(names, timeout)
         if self.processes:
             for proc in leaving:
                 self._procs.remove(proc)
@@ -213,6 +220,20 @@ class LocalCluster:
                 self._loop_thread.run(worker.close(), timeout=timeout)
         self.n_workers = n
         self._wait_for_exactly(n, timeout)
+
+    def _retire(self, names: list, timeout: float) -> None:
+        """Ask the scheduler to move the named workers' results elsewhere (they stay
+        connected, taking no task); a refusal is logged, the workers stop anyway."""
+        try:
+            result = _run_in_new_loop(_request(
+                self.scheduler_address, {"op": "retire-workers", "workers": names,
+                                         "close_workers": False}, timeout, self.security))
+        except Exception as exc:  # noqa: BLE001 - scaling down goes on without it
+            logger.warning("scaling down: could not retire %s gracefully: %s", names, exc)
+            return
+        for address, why in result.get("refused", {}).items():
+            logger.warning("scaling down: worker %s was not retired gracefully (%s); its "
+                           "results are recomputed where still wanted", address, why)
 
     def _wait_for_exactly(self, n: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -264,10 +285,12 @@ class LocalCluster:
                     logger.exception("error closing %r", server)
             self._servers.clear()
             self._workers.clear()
+            self._worker_names.clear()
             self._loop_thread.stop()
             self._loop_thread = None
         _stop_processes(self._procs, timeout)
         self._workers.clear()
+        self._worker_names.clear()
         self._finalizer.detach()
 
 
@@ -356,14 +379,22 @@ def _stop_processes(procs: list, timeout: float = 10.0) -> None:
 
 
 async def _identity(address: str, timeout: float, security: Security) -> dict:
+    return await _request(address, {"op": "identity"}, timeout, security)
+
+
+async def _request(address: str, msg: dict, timeout: float, security: Security):
+    """One request to the scheduler on a connection of its own; its result."""
     comm = await connect(address, {"role": "client", "client_id": f"probe-{uuid.uuid4().hex}"},
                          timeout=timeout, security=security)
     try:
-        await comm.write([{"op": "identity", "reqid": 0}])
+        await comm.write([{**msg, "reqid": 0}])
         while True:
-            for msg in await asyncio.wait_for(comm.read(), timeout):
-                if msg.get("op") == "reply" and msg.get("reqid") == 0:
-                    return msg["result"]
+            for reply in await asyncio.wait_for(comm.read(), timeout):
+                if reply.get("op") == "reply" and reply.get("reqid") == 0:
+                    if "error" in reply:
+                        raise ClusterError(f"the scheduler refused {msg['op']}: "
+                                           f"{reply['error']}")
+                    return reply["result"]
     finally:
         await comm.close()
 

@@ -17,6 +17,11 @@ bytes they produce since the last reading and holds them before their next task 
 that reading plus those bytes pass ``spill`` × limit, until the monitor has looked again
 (and spilled).
 
+A queued task's inputs that are on disk are read back by the executor thread when the
+task starts (`SpillBuffer.in_memory` tells which), not when it is queued: a 1-thread
+worker queues dozens of tasks, and their spilled inputs all read back at once would pass
+the limit. So the spill directory is used from two threads; its bookkeeping is locked.
+
 Nothing here raises into the worker: a value that cannot be pickled, or a disk that is
 full or failing, keeps the value in RAM (counted, and logged once per minute).
 """
@@ -58,6 +63,8 @@ SMALL_RESULT_BYTES = 1024
 DISK_RETRY_SECONDS = 30.0
 _LOG_EVERY = 60.0
 _MISSING = object()
+ON_DISK = object()
+"""`SpillBuffer.in_memory`'s answer for a key whose value is on disk."""
 
 
 def check_fractions(target, spill, pause) -> None:
@@ -89,6 +96,9 @@ class SpillDirectory(MutableMapping):
         self.unpicklable: set = set()
         self._disk_failed_until = 0.0
         self._last_log = -_LOG_EVERY
+        # the loop thread spills and drops, executor threads read inputs back (and so
+        # evict): the bookkeeping dicts and counters change under this lock
+        self._lock = threading.Lock()
 
     def __setitem__(self, key, value) -> None:
         self.discard(key)
@@ -116,18 +126,20 @@ class SpillDirectory(MutableMapping):
                       self.directory, exc, DISK_RETRY_SECONDS)
             return
         size = len(header) + sum(memoryview(f).nbytes for f in frames)
-        self.sizes[key] = size
-        self._names[key] = name
-        self.spilled_bytes += size
+        with self._lock:
+            self.sizes[key] = size
+            self._names[key] = name
+            self.spilled_bytes += size
 
     def __getitem__(self, key):
         try:
             return self.kept[key]
         except KeyError:
             pass
-        if key not in self.sizes:
+        name = self._names.get(key)
+        if name is None:
             raise KeyError(key)
-        blob = memoryview(self._files[self._names[key]])
+        blob = memoryview(self._files[name])
         (n,) = struct.unpack_from("<I", blob)
         lengths = struct.unpack_from(f"<{n}Q", blob, 4)
         frames, offset = [], 4 + 8 * n
@@ -137,13 +149,15 @@ class SpillDirectory(MutableMapping):
         return loads_data(frames)
 
     def __delitem__(self, key) -> None:
-        if key in self.kept:
-            del self.kept[key]
-            self.unpicklable.discard(key)
-            return
-        size = self.sizes.pop(key)  # KeyError if absent, as a mapping should
-        self.spilled_bytes -= size
-        self._files.discard(self._names.pop(key))
+        with self._lock:
+            if key in self.kept:
+                del self.kept[key]
+                self.unpicklable.discard(key)
+                return
+            size = self.sizes.pop(key)  # KeyError if absent, as a mapping should
+            self.spilled_bytes -= size
+            name = self._names.pop(key)
+        self._files.discard(name)
 
     def discard(self, key) -> None:
         """Drop ``key`` if held."""
@@ -225,6 +239,20 @@ class SpillBuffer(MutableMapping):
             return self.buffer[key]
         return value
 
+    def in_memory(self, key):
+        """``key``'s value if it is in RAM (marked recently used), `ON_DISK` if it is
+        spilled; KeyError if not held. Reads nothing back from disk."""
+        value = self.small.get(key, _MISSING)
+        if value is not _MISSING:
+            return value
+        try:
+            return self.buffer.fast[key]
+        except KeyError:
+            pass
+        if key in self.buffer.slow:
+            return ON_DISK
+        return self.buffer[key]  # moved to RAM meanwhile by another thread, or KeyError
+
     def __delitem__(self, key) -> None:
         if key in self.small:
             self._pop_small(key)
@@ -254,7 +282,7 @@ class SpillBuffer(MutableMapping):
         """Bytes of results held in RAM (their sizes): small, buffered and kept ones."""
         kept = self.buffer.slow.kept
         return (self.small_bytes + int(self.buffer.fast.total_weight)
-                + sum(self.weight(k, v) for k, v in kept.items()))
+                + sum(self.weight(k, v) for k, v in list(kept.items())))
 
     @property
     def spilled_bytes(self) -> int:

@@ -43,6 +43,7 @@ import time
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__
 
 from . import config, introspection, logs
+from .heap_trim import HeapTrimmer
 from .comm import Blob, CommClosedError, ProtocolError, bounded_repr, listen, parse_address
 from .coordination import COORDINATION_CLIENT, OPS as COORDINATION_OPS
 from .coordination import Coordination, CoordinationLimits
@@ -187,6 +188,8 @@ class Scheduler:
         self.worker_dashboards: dict = {}
         self.loop_lag = LoopLagMonitor()  # sampled while the dashboard runs
         self.n_stimuli = 0
+        #: malloc_trim once many tasks are forgotten, so the RSS goes back down with them
+        self.heap_trimmer = HeapTrimmer()
         self.graph_updates = 0
         self.graph_tasks = 0
         self.graph_intake_seconds = 0.0
@@ -481,6 +484,7 @@ class Scheduler:
             self._validate_after_bug(stimulus_id)
             return False
         self._apply(messages)
+        self.heap_trimmer.held(len(self.state.tasks))
         return True
 
     def _validate_after_bug(self, stimulus_id: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pickle
 import sys
 import traceback as traceback_module
+import weakref
 from typing import Any
 
 import cloudpickle
@@ -54,7 +55,8 @@ def substitute(obj, data: dict):
 
 
 class Call:
-    """``func(*args, **kwargs)``, with TaskRefs and nested Calls in the arguments."""
+    """``func(*args, **kwargs)``, with TaskRefs and nested Calls in the arguments;
+    ``func`` itself may be a TaskRef (a function shared by many tasks)."""
 
     __slots__ = ("func", "args", "kwargs")
 
@@ -64,10 +66,13 @@ class Call:
         self.kwargs = kwargs or None
 
     def __call__(self, data: dict):
+        func = self.func
+        if type(func) is TaskRef:  # a function shared by the tasks of a map
+            func = data[func.key]
         args = [substitute(a, data) for a in self.args] if self.args else ()
         if self.kwargs:
-            return self.func(*args, **substitute(self.kwargs, data))
-        return self.func(*args)
+            return func(*args, **substitute(self.kwargs, data))
+        return func(*args)
 
     def __reduce__(self):
         return (Call, (self.func, self.args, self.kwargs))
@@ -122,16 +127,30 @@ def dumps_inline_result(value) -> bytes | None:
 def sizeof(value) -> int:
     """An estimate of the memory a result holds, in bytes.
 
-    Where dask is already imported (a worker running dask tasks), ``dask.sizeof``: it
-    knows containers and pandas objects and samples object columns, where
-    ``sys.getsizeof`` of a DataFrame measures every string (measured: on the seed
-    shuffle that took longer than the tasks themselves).
+    pandas DataFrames, Series and Indexes without object columns, and the dict of
+    frames a dask task shuffle's split makes (``ShuffleGroupResult``), are sized from
+    their arrays' ``nbytes`` directly (`_pandas_size`): the figure ``dask.sizeof`` gives
+    them, without the Series it builds per column. Other values, where dask is already
+    imported (a worker running dask tasks), take ``dask.sizeof``: it knows containers
+    and samples object columns, where ``sys.getsizeof`` of a DataFrame measures every
+    string. Measured on the seed shuffle's pieces (273 rows, 5 columns, one of arrow
+    strings): 10 us against dask.sizeof's 420 us, which made the size estimate take
+    longer than the tasks themselves.
     """
-    if type(value) in _INLINE_TYPES:
+    typ = type(value)
+    if typ in _INLINE_TYPES:
         return sys.getsizeof(value)
-    nbytes = getattr(value, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes
+    fast = _FAST_SIZES.get(typ, _MISSING)
+    if fast is _MISSING:
+        fast = _fast_size_for(typ)
+    if fast is not None:
+        size = fast(value)
+        if size is not None:
+            return size
+    else:  # (a pandas object's nbytes leaves out what its object values point to)
+        nbytes = getattr(value, "nbytes", None)
+        if isinstance(nbytes, int):
+            return nbytes
     if "dask" in sys.modules:
         try:
             from dask.sizeof import sizeof as dask_sizeof
@@ -143,6 +162,118 @@ def sizeof(value) -> int:
         return sys.getsizeof(value)
     except TypeError:
         return 64
+
+
+_MISSING = object()
+#: type -> its cheap size function (None: none); filled as types are first seen.
+_FAST_SIZES: dict = {}
+#: dask adds this much per run of same-dtype columns (a block, here) and per Series.
+_PANDAS_OVERHEAD = 1200
+#: ... and this much per Index.
+_INDEX_OVERHEAD = 400
+
+
+def _fast_size_for(typ) -> Any:
+    """The cheap size function for ``typ``, or None; remembered per type."""
+    fast = None
+    module = typ.__module__
+    if (module == "pandas" or module.startswith("pandas.")) and "pandas" in sys.modules:
+        import pandas as pd
+
+        if typ is pd.DataFrame:
+            fast = _frame_size
+        elif typ is pd.Series:
+            fast = _series_size
+        elif issubclass(typ, pd.Index) and not issubclass(typ, pd.MultiIndex):
+            fast = _index_size
+    elif typ.__name__ == "ShuffleGroupResult" and issubclass(typ, dict):
+        fast = _group_size
+    _FAST_SIZES[typ] = fast
+    return fast
+
+
+def _array_bytes(values) -> int | None:
+    """The bytes of one column's (or block's) array, None for object values (which
+    dask samples)."""
+    dtype = values.dtype
+    if dtype.kind == "O" and (type(values).__module__ == "numpy"
+                              or getattr(dtype, "storage", None) == "python"):
+        return None
+    return int(values.nbytes)
+
+
+def _index_size(index) -> int | None:
+    try:
+        if type(index).__name__ == "RangeIndex":  # its _values would build the array
+            return _INDEX_OVERHEAD + int(index.nbytes)
+        size = _array_bytes(index._values)
+    except Exception:  # noqa: BLE001 - an unusual index: dask.sizeof decides
+        return None
+    return None if size is None else _INDEX_OVERHEAD + size
+
+
+#: (weak reference to the array of the last column labels sized, their size): the
+#: frames a task makes from one frame share that array, and sizing arrow-backed labels
+#: costs as much as a column.
+_last_columns: tuple = (None, 0)
+
+
+def _columns_size(columns) -> int | None:
+    global _last_columns
+    try:
+        values = columns._values
+    except AttributeError:
+        return None
+    ref, size = _last_columns
+    if ref is not None and ref() is values:
+        return size
+    size = _index_size(columns)
+    if size is not None:
+        try:
+            _last_columns = (weakref.ref(values), size)
+        except TypeError:  # not weakly referenceable
+            pass
+    return size
+
+
+def _frame_size(frame) -> int | None:
+    """A DataFrame's bytes: its blocks' arrays, index and column labels, plus dask's
+    per-block overhead. None (dask.sizeof decides) for object columns or anything
+    unexpected."""
+    try:
+        total = 0
+        for block in frame._mgr.blocks:
+            size = _array_bytes(block.values)
+            if size is None:
+                return None
+            total += size + _PANDAS_OVERHEAD
+        index = _index_size(frame.index)
+        columns = _columns_size(frame.columns)
+    except Exception:  # noqa: BLE001 - pandas internals changed: dask.sizeof decides
+        return None
+    if index is None or columns is None:
+        return None
+    return max(_PANDAS_OVERHEAD, total + index + columns)
+
+
+def _series_size(series) -> int | None:
+    try:
+        size = _array_bytes(series._values)
+    except Exception:  # noqa: BLE001
+        return None
+    index = _index_size(series.index)
+    if size is None or index is None:
+        return None
+    return _PANDAS_OVERHEAD + size + index
+
+
+def _group_size(group: dict) -> int:
+    """dask's ShuffleGroupResult (its shuffle's split: a few dozen frames by output
+    partition): the dict and every key and frame, as its own ``__sizeof__`` counts."""
+    total = dict.__sizeof__(group)
+    for key, frame in group.items():
+        total += sizeof(key) + sizeof(frame)
+    return total
 
 
 class RemoteTraceback(Exception):

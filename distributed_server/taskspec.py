@@ -33,6 +33,14 @@ from .serialize import Call, TaskRef, dumps_spec
 
 #: Task specs larger than this travel as an out-of-band Blob.
 SPEC_BLOB_BYTES = 64 * 1024
+#: In `map`, a constant argument (the same object in every task, or a ``map``
+#: keyword) whose pickle is at least this large is sent once, as a task of its own that
+#: every task depends on (`_MapEncoder`).
+SHARE_MIN_BYTES = 512
+#: The same for the function: a function pickled by value (defined in ``__main__``, a
+#: lambda, a closure) is 300 bytes or more, and costs a worker ~8 us to rebuild per
+#: task; one pickled by reference is a module and a name (under 100 bytes).
+SHARE_FUNCTION_MIN_BYTES = 256
 
 
 _ATOMIC = frozenset({int, float, complex, bool, str, bytes, type(None), TaskRef})
@@ -63,13 +71,25 @@ class _PickledFunction:
         what it wrote) may follow it: see `_plain_spec_body`.
         """
         loads = pickle.loads
-        return b"".join([
-            b"\x80\x03",
-            f"c{Call.__module__}\n{Call.__qualname__}\n".encode(),
+        return _call_head(b"".join([
             f"c{loads.__module__}\n{loads.__name__}\n".encode(),
-            b"B", struct.pack("<I", len(self.payload)), self.payload,
-            b"\x85R",
-        ])
+            b"B", struct.pack("<I", len(self.payload)), self.payload, b"\x85R",
+        ]))
+
+
+def _call_head(func_ops: bytes) -> bytes:
+    """PROTO 3, GLOBAL Call, then ``func_ops`` (opcodes pushing the function, no memo)."""
+    return b"".join([b"\x80\x03", f"c{Call.__module__}\n{Call.__qualname__}\n".encode(),
+                     func_ops])
+
+
+def _shared_function_head(key: str) -> bytes:
+    """The opening of ``pickle.dumps(Call(TaskRef(key), args, kwargs))`` up to ``args``:
+    the worker finds the function among the task's dependencies (`Call.__call__`)."""
+    encoded = key.encode()
+    return _call_head(b"".join([
+        f"c{TaskRef.__module__}\n{TaskRef.__qualname__}\n".encode(),
+        b"X", struct.pack("<I", len(encoded)), encoded, b"\x85R"]))
 
 
 def _pickle_segment(obj) -> bytes:
@@ -178,11 +198,21 @@ class _TaskEncoder:
         self.prefix = prefix or _funcname(func)
         self.pure = pure
         self.options = options
+        #: Keys of shared values (`_MapEncoder`) every task of this encoder depends on.
+        self.shared_deps: tuple = ()
+
+    def share_function(self, key: str) -> None:
+        """Tasks from now on find the function under ``key`` among their dependencies
+        (`_MapEncoder` adds the key to `shared_deps`)."""
+        self.head = _shared_function_head(key)
+        self.head_hash = hashlib.blake2b(self.head, digest_size=16)
 
     def task(self, args: tuple, kwargs: dict | None, key=None) -> dict:
         walker = _ArgWalker(self.client)
         args = tuple([walker.walk(a) for a in args])
         kwargs = walker.walk(kwargs) if kwargs else None
+        if self.shared_deps:
+            walker.deps.extend(self.shared_deps)
         if walker.plain:
             body = _plain_spec_body(args, kwargs)
             spec = self.head + body
@@ -202,6 +232,149 @@ class _TaskEncoder:
         if self.options:
             task.update(self.options)
         return task
+
+
+_NEVER_SHARED = frozenset({int, float, complex, bool, type(None), TaskRef})
+#: Argument types whose tasks take `_MapEncoder`'s fast path (the standard pickler is
+#: right for them and they hold no futures).
+_FAST = frozenset({int, float, complex, bool, str, bytes, type(None), TaskRef})
+
+
+class _MapEncoder:
+    """The tasks of one `Client.map` call: shared values first, then one task per row.
+
+    Sharing: with at least two tasks, the function (if its pickle is at least
+    `SHARE_FUNCTION_MIN_BYTES`), and every argument column that holds one and the same
+    object in every row and every ``map`` keyword argument (the same in every task by
+    definition) whose pickle is at least `SHARE_MIN_BYTES` are each pickled once into a
+    task of their own, ``shared-<type>-<hash of the pickle>``, which computes the value
+    (``Call(_identity, (value,))``). The tasks refer to it by a TaskRef and depend on it,
+    so it travels to the scheduler once, is decoded once per worker (a worker that did
+    not compute it fetches the value like any dependency) and lives on the workers
+    only while tasks that need it are held. `shared` lists these tasks: the caller
+    sends them first and wants them until the last batch of the map is sent.
+
+    Rows whose arguments are builtin scalars, str, bytes or shared references take the
+    fast path (one ``pickle.dumps`` of the row per task, no per-argument walk); others
+    go through `_TaskEncoder.task`.
+    """
+
+    def __init__(self, encoder: _TaskEncoder, columns: list, n: int,
+                 kwargs: dict | None) -> None:
+        self.encoder = encoder
+        self.columns = columns
+        self.n = n
+        self.kwargs = kwargs or None
+        self.shared: list[dict] = []
+        if n > 1:
+            self._share()
+
+    def _share(self) -> None:
+        encoder = self.encoder
+        payload = encoder.func.payload
+        if len(payload) >= SHARE_FUNCTION_MIN_BYTES:
+            spec = pickle.dumps(Call(_identity, (encoder.func,)), protocol=5)
+            key = self._shared_task(f"shared-{encoder.prefix}", spec)
+            encoder.share_function(key)
+        for i, column in enumerate(self.columns):
+            first = column[0]
+            if type(first) in _NEVER_SHARED or not _all_same(column, first):
+                continue
+            ref = self._share_value(first)
+            if ref is not None:
+                self.columns[i] = [ref] * self.n
+        if self.kwargs:
+            kwargs = dict(self.kwargs)
+            for name, value in kwargs.items():
+                if type(value) not in _NEVER_SHARED:
+                    ref = self._share_value(value)
+                    if ref is not None:
+                        kwargs[name] = ref
+            self.kwargs = kwargs
+
+    def _share_value(self, value) -> TaskRef | None:
+        """A reference to a shared task computing ``value``, or None (too small, or it
+        holds futures: those stay dependencies of each task)."""
+        walker = _ArgWalker(self.encoder.client)
+        walker.walk(value)
+        if walker.deps:
+            return None
+        spec = dumps_spec(Call(_identity, (value,)))
+        if len(spec) < SHARE_MIN_BYTES:
+            return None
+        return TaskRef(self._shared_task(f"shared-{type(value).__name__}", spec))
+
+    def _shared_task(self, prefix: str, spec: bytes) -> str:
+        key = f"{prefix}-{_digest(spec)}"
+        if all(task["key"] != key for task in self.shared):
+            self.shared.append({"key": key, "spec": _wire_spec(spec)})
+            self.encoder.shared_deps += (key,)
+        return key
+
+    def tasks(self, keys: list | None) -> list[dict]:
+        """One task dict per row, in order (``keys``: the caller's keys, or None)."""
+        columns, kwargs, encoder = self.columns, self.kwargs, self.encoder
+        if not self._fast():
+            rows = zip(*columns)
+            if keys is None:
+                return [encoder.task(args, kwargs) for args in rows]
+            return [encoder.task(args, kwargs, key) for args, key in zip(rows, keys)]
+        tail = (_pickle_segment(kwargs) if kwargs else b"N") + b"\x87R."
+        head, head_hash, prefix = encoder.head, encoder.head_hash, encoder.prefix
+        deps = list(encoder.shared_deps)
+        options = encoder.options
+        pure = encoder.pure and keys is None
+        dumps, limit = pickle.dumps, SPEC_BLOB_BYTES
+        out = []
+        append = out.append
+        for i, args in enumerate(zip(*columns)):
+            body = dumps(args, 3)[2:-1] + tail
+            spec = head + body
+            if keys is not None:
+                key = keys[i]
+            elif pure:
+                digest = head_hash.copy()
+                digest.update(body)
+                key = f"{prefix}-{digest.hexdigest()}"
+            else:
+                key = f"{prefix}-{uuid.uuid4().hex}"
+            task = {"key": key, "spec": spec if len(spec) <= limit else Blob(spec)}
+            if deps:
+                task["deps"] = deps
+            if options:
+                task.update(options)
+            append(task)
+        return out
+
+    def _fast(self) -> bool:
+        for column in self.columns:
+            if not set(map(type, column)) <= _FAST:
+                return False
+        if self.kwargs:
+            walker = _ArgWalker(self.encoder.client)
+            walker.walk(self.kwargs)
+            return walker.plain and not walker.deps
+        return True
+
+
+def _all_same(column: list, first) -> bool:
+    """Whether every item of ``column`` is ``first`` itself (identity, not equality)."""
+    if column[-1] is not first or column[len(column) // 2] is not first:
+        return False
+    return len(set(map(id, column))) == 1
+
+
+def map_columns(iterables) -> tuple[list, int]:
+    """``map``'s arguments as columns of equal length (zip's: the shortest), and that
+    length."""
+    if not iterables:
+        return [], 0
+    if all(hasattr(it, "__len__") and hasattr(it, "__getitem__") for it in iterables):
+        n = min(len(it) for it in iterables)
+        return [it if type(it) is list and len(it) == n else list(it)[:n]
+                for it in iterables], n
+    rows = list(zip(*iterables))
+    return [list(column) for column in zip(*rows)] or [[] for _ in iterables], len(rows)
 
 
 def _identity(value):

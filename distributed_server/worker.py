@@ -96,6 +96,7 @@ from .comm import (
 from . import config
 from .memory import (
     MONITOR_INTERVAL,
+    ON_DISK,
     ExecutionGate,
     MemoryMonitor,
     SpillBuffer,
@@ -277,6 +278,9 @@ class Worker:
         #: key -> value: a dict, or with a memory limit a SpillBuffer (memory.py).
         self.data: dict | SpillBuffer = {}
         self._discard_data = self._pop_data  # drops a key from data if held
+        # a queued task's inputs: the values, or ON_DISK for those the executor thread
+        # reads back when the task starts (with a SpillBuffer)
+        self._peek_input = None
         self.memory: MemoryMonitor | None = None
         #: With a memory limit: holds executor threads that outrun the monitor.
         self._gate: ExecutionGate | None = None
@@ -434,6 +438,7 @@ class Worker:
             buffer = SpillBuffer(target, self._weight, self.local_directory)
             self.data = buffer
             self._discard_data = buffer.discard
+            self._peek_input = buffer.in_memory
         self.memory = MemoryMonitor(self.memory_limit, buffer, self.memory_target_fraction,
                                     self.memory_spill_fraction, self.memory_pause_fraction)
         fraction = self.memory_spill_fraction or self.memory_pause_fraction
@@ -549,6 +554,7 @@ class Worker:
         send = self._send
         tasks = self.state.tasks
         put = self._queue.put
+        peek = self._peek_input
         for ins in instructions:
             kind = type(ins)
             if kind is SendMessage:
@@ -558,8 +564,16 @@ class Worker:
             elif kind is Execute:  # to the threads, with its spec and its inputs' values
                 ts = tasks[ins[0]]
                 deps = ts.dependencies
-                inputs = {dep.key: data[dep.key] for dep in deps} if deps else {}
-                put((ins[0], ts, ts.run_spec, inputs, ts.check))
+                read_back = None
+                if not deps:
+                    inputs = {}
+                elif peek is None:
+                    inputs = {dep.key: data[dep.key] for dep in deps}
+                else:
+                    inputs = {dep.key: peek(dep.key) for dep in deps}
+                    if any(v is ON_DISK for v in inputs.values()):
+                        read_back = data
+                put((ins[0], ts, ts.run_spec, inputs, ts.check, read_back))
             elif kind is ReleaseData:
                 discard(ins[0])
             elif kind is Fetch:
@@ -1179,9 +1193,13 @@ def _parts(parts: list, part_bytes: int):
 
 def _run_job(job: tuple) -> tuple:
     """On an executor thread: run one job; ``(key, kind, value, report)``."""
-    key, _, spec, inputs, check = job
+    key, _, spec, inputs, check, read_back = job
     start = time.time()
     try:
+        if read_back is not None:  # inputs spilled since the task was queued
+            for name, value in inputs.items():
+                if value is ON_DISK:
+                    inputs[name] = read_back[name]
         value = loads_spec(spec)(inputs)
     except BaseException as exc:  # noqa: BLE001 - any failure of user code is the task's
         stop = time.time()

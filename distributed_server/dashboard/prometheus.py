@@ -19,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from distributed_core import COMPILED, __version__
 
 from ..comm import TRAFFIC
+from ..gc_pauses import GC_PAUSES
 from .figures import STATES, SchedulerFigures
 
 __all__ = ["CONTENT_TYPE_LATEST", "Exposition", "registry_for", "SchedulerCollector",
@@ -102,6 +103,22 @@ def _loop_lag(prefix: str, lag):
                  f"last {lag._recent.maxlen} probes ({lag.interval} s apart)", lag.recent_max)
 
 
+def _gc_pauses(prefix: str):
+    """Garbage-collection pauses, once the process times them (the ``dcore`` command)."""
+    if not GC_PAUSES.installed:
+        return
+    total = CounterMetricFamily(f"{prefix}_gc_pause_seconds", "Time garbage collections "
+                                "stopped this process, by generation", labels=["generation"])
+    longest = GaugeMetricFamily(f"{prefix}_gc_pause_max_seconds", "The longest single "
+                                "garbage-collection pause, by generation",
+                                labels=["generation"])
+    for generation in range(3):
+        total.add_metric([str(generation)], GC_PAUSES.total[generation])
+        longest.add_metric([str(generation)], GC_PAUSES.longest[generation])
+    yield total
+    yield longest
+
+
 def _info(prefix: str, what: str):
     info = GaugeMetricFamily(f"{prefix}_info", f"This {what}: version and core",
                              labels=["version", "compiled"])
@@ -180,6 +197,7 @@ class SchedulerCollector:
         yield _counter(f"{p}_task_stream_records", "Task outcomes recorded in the task "
                        "stream", server["task_stream_total"])
         yield from _loop_lag(p, figures.scheduler.loop_lag)
+        yield from _gc_pauses(p)
         yield from _traffic(p)
 
 
@@ -228,4 +246,5 @@ class WorkerCollector:
         yield _gauge(f"{p}_memory_limit_bytes", "The worker's memory limit (0: none)",
                      worker.memory_limit)
         yield from _loop_lag(p, self.loop_lag)
+        yield from _gc_pauses(p)
         yield from _traffic(p)

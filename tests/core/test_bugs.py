@@ -24,27 +24,28 @@ def test_transition_limit_exceeded_is_a_runtime_error():
 # -- pending work is kept ------------------------------------------------------------
 
 
-def transitions_table():
-    return distributed_core._core._TRANSITIONS
+def after(start, finish, action):
+    """A transition hook that runs ``action(state, ts)`` after each ``start -> finish``."""
+    def hook(state, ts, moved_from, moved_to):
+        if (moved_from, moved_to) == (start, finish):
+            action(state, ts)
+    return hook
 
 
-def test_work_left_pending_by_a_stimulus_that_raised_is_done_by_the_next(monkeypatch):
+def test_work_left_pending_by_a_stimulus_that_raised_is_done_by_the_next():
     sim = Sim(worker_saturation=float("inf"))
     sim.add_worker("A", 2)
-    table = transitions_table()
-    original = table["waiting"]["processing"]
     failed = []
 
-    def fails_once(state, ts):
-        original(state, ts)  # the task is assigned, its compute-task message collected
+    def fails_once(state, ts):  # the task is assigned, its compute-task message collected
         if not failed:
             failed.append(ts.key)
             raise RuntimeError("a bug in a transition")
 
-    monkeypatch.setitem(table["waiting"], "processing", fails_once)
+    sim.state._transition_hook = after("waiting", "processing", fails_once)
     with pytest.raises(RuntimeError, match="a bug"):
         sim.state.update_graph("c", [task("a"), task("b")], ["a", "b"], "graph")
-    monkeypatch.setitem(table["waiting"], "processing", original)
+    sim.state._transition_hook = None
     client_msgs, worker_msgs = sim.record(sim.state.add_client("c2", "next"))
     assert sorted(computed(worker_msgs)) == ["a", "b"]
     stimulus_ids = {msg["key"]: msg["stimulus_id"] for msg in worker_msgs["A"]}
@@ -55,20 +56,17 @@ def test_work_left_pending_by_a_stimulus_that_raised_is_done_by_the_next(monkeyp
     assert states(sim.state) == {"a": "memory", "b": "memory"}
 
 
-def test_messages_are_kept_when_validation_fails_at_the_end(monkeypatch):
+def test_messages_are_kept_when_validation_fails_at_the_end():
     sim = Sim()
     sim.add_worker("A", 1)
-    table = transitions_table()
-    original = table["waiting"]["processing"]
 
     def corrupts(state, ts):  # a bug that only validate_state (at the end) notices
-        original(state, ts)
         state.idle["ghost"] = state.workers["A"]
 
-    monkeypatch.setitem(table["waiting"], "processing", corrupts)
+    sim.state._transition_hook = after("waiting", "processing", corrupts)
     with pytest.raises(InvariantError, match="ghost"):
         sim.state.update_graph("c", [task("a")], ["a"], "graph")
-    monkeypatch.undo()
+    sim.state._transition_hook = None
     del sim.state.idle["ghost"]
     _, worker_msgs = sim.record(sim.state.add_client("c2", "next"))
     assert computed(worker_msgs) == {"a": "A"}
@@ -77,40 +75,38 @@ def test_messages_are_kept_when_validation_fails_at_the_end(monkeypatch):
 # -- runaway loops -------------------------------------------------------------------
 
 
-def loop_released_waiting(monkeypatch):
+def loop_released_waiting(state):
     """Make released -> waiting recommend 'released' again: a recommendation loop."""
-    table = transitions_table()
-    original = table["released"]["waiting"]
+    released = distributed_core.TASK_STATES.index("released")
 
-    def looping(state, ts):
-        original(state, ts)
-        state._recs[ts] = "released"
+    def recommend_released(state, ts):
+        state._recs[ts] = released
 
-    monkeypatch.setitem(table["released"], "waiting", looping)
+    state._transition_hook = after("released", "waiting", recommend_released)
 
 
-def test_recommendation_loop_raises_transition_limit_exceeded(monkeypatch):
+def test_recommendation_loop_raises_transition_limit_exceeded():
     state = SchedulerState(validate=True, max_transitions_per_stimulus=1000)
     state.add_worker("A", 1, "join")
-    loop_released_waiting(monkeypatch)
+    loop_released_waiting(state)
     with pytest.raises(TransitionLimitExceeded) as info:
         state.update_graph("c", [task("spin")], ["spin"], "graph-7")
     message = str(info.value)
     assert "'graph-7'" in message and "1000 transitions" in message
     assert "'spin': released -> waiting" in message or "'spin': waiting -> released" in message
-    monkeypatch.undo()
+    state._transition_hook = None
     # The loop's recommendations were dropped: the next stimulus does not spin again.
     state.validate = False
     assert state.add_client("c2", "next") == ({}, {})
 
 
-def test_default_transition_limit_scales_with_the_number_of_tasks(monkeypatch):
+def test_default_transition_limit_scales_with_the_number_of_tasks():
     state = SchedulerState()  # no validation: the loop runs ~150,000 transitions
     state.add_worker("A", 1, "join")
     state.update_graph("c", [task(f"t{i}") for i in range(1000)],
                        [f"t{i}" for i in range(1000)], "graph")
     assert len(state.tasks) == 1000
-    loop_released_waiting(monkeypatch)
+    loop_released_waiting(state)
     with pytest.raises(TransitionLimitExceeded, match=f"more than {50 * 1002 + 100_000} "):
         state.update_graph("c", [task("spin")], ["spin"], "spin")
 

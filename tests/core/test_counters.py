@@ -66,10 +66,8 @@ def test_counters_follow_tasks_through_their_lives():
     assert (c["tasks"], c["task_counts"], c["nbytes_in_memory"], c["prefixes"]) == (
         0, counts(), 0, 0)
     assert c["tasks_entered"]["forgotten"] == 2
-    assert state.prefix_counts() == {}
-    every = state.prefix_counts(every=True)  # prefixes are kept for their durations
-    assert sorted(every) == ["x", "y"]
-    assert every["x"]["tasks"] == 0 and every["x"]["tasks_entered"]["forgotten"] == 1
+    assert state.prefix_counts() == state.prefix_counts(every=True) == {}
+    assert state.prefixes == {}  # dropped with their last task
 
 
 def test_a_result_held_by_two_workers_counts_once_in_memory():
@@ -172,43 +170,69 @@ def test_validation_catches_a_counter_that_drifted(drift):
         sim.state.validate_state()
 
 
-def _idle_prefix_listed_active(state):
-    state._active_prefixes["x"] = state.prefixes["x"]
+def _idle_prefix_kept(state, prefix):
+    state.prefixes["x"] = prefix
 
 
-def _idle_prefix_keeps_a_count(state):
-    counts = list(state.prefixes["x"].counts)
-    counts[0] += 1
-    state.prefixes["x"].counts = counts
+def _idle_prefix_kept_active(state, prefix):
+    state.prefixes["x"] = state._active_prefixes["x"] = prefix
 
 
-@pytest.mark.parametrize("drift", [_idle_prefix_listed_active, _idle_prefix_keeps_a_count])
-def test_validation_checks_the_prefixes_without_tasks_too(drift):
+@pytest.mark.parametrize("drift", [_idle_prefix_kept, _idle_prefix_kept_active])
+def test_validation_catches_a_prefix_kept_without_tasks(drift):
     sim = Sim()
     sim.add_worker("A", 1)
     sim.submit([task("x")], ["x"])
+    prefix = sim.state.prefixes["x"]
     sim.finish("x")
     sim.release(["x"])
     sim.state.validate_state()
-    drift(sim.state)
+    drift(sim.state, prefix)
     with pytest.raises(InvariantError, match="'x'"):
         sim.state.validate_state()
 
 
-def test_a_transition_that_raises_after_moving_its_task_keeps_the_counters_true(monkeypatch):
-    table = distributed_core._core._TRANSITIONS
-    original = table["waiting"]["processing"]
+def test_a_prefix_is_dropped_with_its_last_task_and_its_duration_is_kept():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x-1"), task(("layer-1", 0))], ["x-1", ("layer-1", 0)])
+    sim.finish("x-1", duration=2.0)
+    sim.finish(("layer-1", 0))
+    sim.release(["x-1", ("layer-1", 0)])
+    assert sim.state.prefixes == {} and sim.state._prefix_of_name == {}
+    assert sim.state.counters()["prefixes"] == 0
+    sim.submit([task("x-2"), task(("layer-1", 1))], ["x-2", ("layer-1", 1)])
+    assert sim.state.prefixes["x"].duration_average == 2.0  # learned before, kept
+    assert sorted(sim.state.prefixes) == ["layer", "x"]
+    sim.state.validate_state()
 
-    def fails(state, ts):
-        original(state, ts)
-        raise RuntimeError("a bug in a transition")
+
+def test_durations_of_dropped_prefixes_are_bounded():
+    sim = Sim(validate=False, worker_saturation=float("inf"))
+    sim.add_worker("A", 1)
+    kept = distributed_core._core._DURATIONS_KEPT
+    n = kept + 5
+    for i in range(0, n, 1000):
+        keys = [f"name{j}_x-1" for j in range(i, min(i + 1000, n))]
+        sim.submit([task(key) for key in keys], keys)
+        sim.finish(*keys, duration=1.0)
+        sim.release(keys)
+    assert sim.state.prefixes == {}
+    assert len(sim.state._durations) == kept
+    assert all(f"name{j}_x" in sim.state._durations for j in range(kept, n))  # the newest
+
+
+def test_a_transition_that_raises_after_moving_its_task_keeps_the_counters_true():
+    def fails(state, ts, start, finish):
+        if (start, finish) == ("waiting", "processing"):
+            raise RuntimeError("a bug in a transition")
 
     sim = Sim()
     sim.add_worker("A", 1)
-    monkeypatch.setitem(table["waiting"], "processing", fails)
+    sim.state._transition_hook = fails
     with pytest.raises(RuntimeError, match="a bug"):
         sim.state.update_graph("c", [task("x")], ["x"], "graph")
-    monkeypatch.undo()
+    sim.state._transition_hook = None
     assert sim.state.task_counts() == counts(processing=1)
     sim.state.validate_state()
 
@@ -254,7 +278,7 @@ def test_reading_the_counters_touches_no_task():
         expected_prefixes[name][ts.state] += 1
         if ts.state == "memory":
             expected_bytes[name] += ts.nbytes
-        ts.state = "poisoned"
+        ts.state_id = -1  # no state: a read that looked would fail
         ts.nbytes = -(2 ** 40)
         ts.prefix = poison
     assert len(tasks) == n + 1010

@@ -72,6 +72,26 @@ def flaky(path: str, failures: int):
     return calls
 
 
+class Counted:
+    """A value that appends a byte to the file at ``path`` each time it is unpickled."""
+
+    def __init__(self, path: str, payload: bytes) -> None:
+        self.path = path
+        self.payload = payload
+
+    def __getstate__(self):
+        return self.path, self.payload
+
+    def __setstate__(self, state) -> None:
+        self.path, self.payload = state
+        with open(self.path, "ab") as f:
+            f.write(b"x")
+
+
+def scaled(x, const, extra=None):
+    return x * len(const.payload) + (len(extra.payload) if extra else 0)
+
+
 # ---------------------------------------------------------------- basics
 
 
@@ -138,6 +158,24 @@ def test_releasing_futures_leaves_no_tasks(client):
     del futures, big, dependent
     gc.collect()
     wait_until_no_tasks(client)
+
+
+def test_map_decodes_a_shared_constant_once_per_worker_and_drops_it(client, tmp_path):
+    """``map(f, xs, [const] * n, extra=big)``: each shared value is unpickled at most
+    once per worker process (not once per task), and nothing of it stays on the
+    scheduler or the workers once the map's futures are released."""
+    const_log, extra_log = tmp_path / "const", tmp_path / "extra"
+    const = Counted(str(const_log), b"c" * 10_000)
+    extra = Counted(str(extra_log), b"e" * 3_000)
+    futures = client.map(scaled, range(60), [const] * 60, extra=extra, batch_size=7)
+    assert client.gather(futures) == [x * 10_000 + 3_000 for x in range(60)]
+    n_workers = len(client.scheduler_info()["workers"])
+    for log in (const_log, extra_log):
+        assert 1 <= len(log.read_bytes()) <= n_workers
+    del futures
+    gc.collect()
+    wait_until_no_tasks(client)
+    assert not any(client.has_what().values())
 
 
 def test_cancel(client):

@@ -12,7 +12,9 @@ module level, so their specs pickle by reference.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import itertools
 import logging
 import pickle
 import threading
@@ -390,6 +392,67 @@ def test_map_batches_and_shares_duplicate_keys(scheduler, client):
     assert futures[0].key == futures[2].key and futures[0].key.startswith("step-")
     graphs = scheduler.sent("update-graph")
     assert [len(g["tasks"]) for g in graphs] == [2, 1, 1]
+
+
+def combine(table, x, const, y=b""):
+    return x + len(table) + len(const) + len(y)
+
+
+def test_map_sends_a_shared_function_and_constants_once(scheduler, client, monkeypatch):
+    """A large function, an argument that is the same object in every row and a large
+    keyword go to the scheduler once each, as tasks every map task depends on; they
+    are wanted until the last batch is sent, then released."""
+    monkeypatch.setattr(client_module, "MAP_BATCH_TASKS", 10)
+    func = functools.partial(combine, b"F" * 3000)  # its pickle holds the table
+    const, y = b"C" * 5000, b"Y" * 4000
+    futures = client.map(func, range(30), [const] * 30, y=y)
+    assert client.gather(futures) == [x + 12_000 for x in range(30)]
+    graphs = scheduler.sent("update-graph")
+    assert [len(g["tasks"]) for g in graphs] == [3, 10, 10, 10]
+    specs = [bytes(t["spec"]) for g in graphs for t in g["tasks"]]
+    for marker in (b"F" * 3000, b"C" * 5000, b"Y" * 4000):
+        assert sum(marker in spec for spec in specs) == 1
+    assert sum(len(spec) for spec in specs) < 12_000 + 30 * 500  # ~360 B per task
+    shared = sorted(t["key"] for t in graphs[0]["tasks"])
+    assert all(key.startswith("shared-") for key in shared)
+    for g in graphs[1:]:
+        assert all(sorted(t["deps"]) == shared for t in g["tasks"])
+    released = scheduler.wait_for("release-keys")[0]["keys"]
+    assert sorted(released) == shared
+
+
+def test_map_shares_constants_with_rows_that_need_the_general_path(scheduler, client):
+    """Rows holding lists and futures take `_TaskEncoder.task`; the shared constant
+    still goes once and every task depends on it (and on its own futures)."""
+    const = b"C" * 5000
+    xs = client.map(inc, range(4))
+    futures = client.map(combine, [[i] for i in range(4)], xs, [const] * 4)
+    assert client.gather(futures) == [i + 1 + 1 + 5000 for i in range(4)]
+    (graph,) = [g for g in scheduler.sent("update-graph") if len(g["tasks"]) == 4][1:]
+    (shared,) = [t["key"] for g in scheduler.sent("update-graph") for t in g["tasks"]
+                 if t["key"].startswith("shared-")]
+    assert sum(const in bytes(t["spec"]) for g in scheduler.sent("update-graph")
+               for t in g["tasks"]) == 1
+    assert [sorted(t["deps"]) for t in graph["tasks"]] == [sorted([x.key, shared]) for x in xs]
+
+
+def test_map_of_one_task_or_small_values_shares_nothing(scheduler, client):
+    assert client.gather(client.map(combine, [b"t"], [1], [b"c" * 5000])) == [5002]
+    assert client.gather(client.map(combine, [b"t", b"u"], [1, 2], [b"c", b"c"])) == [3, 4]
+    assert all("deps" not in t for g in scheduler.sent("update-graph") for t in g["tasks"])
+
+
+def test_map_with_iterators_of_different_lengths_zips_them(scheduler, client):
+    futures = client.map(add, iter(range(5)), itertools.repeat(10))
+    assert client.gather(futures) == [10, 11, 12, 13, 14]
+    assert client.gather(client.map(add, [1, 2, 3], (10, 20))) == [11, 22]
+
+
+def test_map_that_cannot_pickle_a_row_sends_nothing(scheduler, client):
+    with pytest.raises(TypeError, match="cannot pickle"):
+        client.map(inc, [1, 2, threading.Lock()])
+    assert client.who_has() == {}
+    assert not scheduler.sent("update-graph")
 
 
 def test_map_with_futures_and_kwargs(scheduler, client):

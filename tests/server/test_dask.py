@@ -488,6 +488,53 @@ def test_a_graph_in_many_slices(client, monkeypatch):
     wait_until_no_tasks(client)
 
 
+class Unpicklable:
+    """An argument that cannot be pickled."""
+
+    def __reduce__(self):
+        raise TypeError("this argument cannot be pickled")
+
+
+def add_all(values, _unused):
+    return sum(values)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_graph_whose_later_slice_fails_leaves_nothing_behind(cluster, client, monkeypatch,
+                                                               asynchronous):
+    """The first slices went out (their keys wanted by the client) when a later one
+    cannot be pickled: the user gets that error, every future of the graph fails with
+    it (an earlier slice's result arriving later does not change that) and the
+    scheduler ends up holding nothing of the graph."""
+    monkeypatch.setattr(dask_support, "SLICE_TASKS", 20)
+    graph: dict = {("x", i): (inc, i) for i in range(100)}
+    graph["total"] = (add_all, [("x", i) for i in range(100)], Unpicklable())
+    wanted = [("x", i) for i in range(100)] + ["total"]
+    if not asynchronous:
+        with pytest.raises(TypeError, match="cannot be pickled") as info:
+            client.get(graph, wanted)
+        assert any("tasks had gone to the scheduler" in n for n in info.value.__notes__)
+        del info
+    else:
+        import asyncio
+
+        async def main():
+            async with Client(cluster, asynchronous=True, set_as_default=False) as aclient:
+                # what persist does: the futures at once, the graph sent in the background
+                futures = aclient._graphs.submit(graph, wanted, {})
+                with pytest.raises(TypeError, match="cannot be pickled"):
+                    await aclient.gather(futures)
+                await asyncio.sleep(1.0)  # results of the first slices are back by now
+                assert all(f.status == "error" for f in futures)
+                del futures
+                while (await aclient.scheduler_info())["n_tasks"]:
+                    await asyncio.sleep(0.05)
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+    wait_until_no_tasks(client)
+    assert client.get(tree_graph(50)[0], ("leaf", 3)) == 4  # the client still works
+
+
 # Another client, in its own process: round trips to the scheduler (an empty who-has)
 # and through a worker (submit with a high priority: at default priority a new task
 # waits, first in first out, behind the queued tasks of the big graph, as in

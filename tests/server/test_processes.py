@@ -5,6 +5,7 @@ starts them (``python -m distributed_server.cli`` is what the ``dcore`` script r
 """
 import inspect
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import psutil
 import pytest
 
 import distributed_core
-from distributed_server import Client, LocalCluster
+from distributed_server import Client, LocalCluster, wait
 from server_helpers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -161,9 +162,18 @@ def test_a_local_cluster_scales_up_and_down_and_keeps_computing(processes):
         assert tree_sum(client, 30).result(timeout=60) == sum(i * i for i in range(30))
         if processes:
             assert len(cluster.worker_processes()) == 3
+        # a result only worker-2 holds: moved before worker-2 leaves, not recomputed
+        (w2,) = [a for a, w in client.scheduler_info()["workers"].items()
+                 if w["name"] == "worker-2"]
+        drawn = client.submit(random.random, pure=False, workers=[w2])
+        wait([drawn], timeout=30)
         client.cluster.scale(1)
         assert [w["name"] for w in client.scheduler_info()["workers"].values()] == ["worker-0"]
         assert held.result(timeout=30) == 36  # held by worker-0, which stayed
+        assert 0 <= drawn.result(timeout=30) < 1
+        story = [(e.start, e.finish) for e in client.story(drawn) if e.where == "scheduler"]
+        assert story == [("released", "waiting"), ("waiting", "processing"),
+                         ("processing", "memory")], story
         assert tree_sum(client, 10).result(timeout=60) == sum(i * i for i in range(10))
         with pytest.raises(ValueError, match="number of workers"):
             cluster.scale(-1)

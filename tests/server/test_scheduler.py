@@ -163,7 +163,7 @@ def test_identity_reads_no_task():
     before = s.identity()
     tasks = state.tasks
     for ts in tasks.values():
-        ts.state = "poisoned"
+        ts.state_id = -1  # no state: a read that looked would fail
         ts.nbytes = -1
     state.tasks = None
     try:

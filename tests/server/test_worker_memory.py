@@ -17,6 +17,7 @@ import pytest
 
 from distributed_server import Client, wait
 from distributed_server.memory import (
+    ON_DISK,
     ExecutionGate,
     MemoryMonitor,
     SpillBuffer,
@@ -64,6 +65,55 @@ def test_results_past_the_target_spill_oldest_first_and_come_back_intact(tmp_pat
                                   "k5": values["k0"], "k6": values["k0"]}
     data.close()
     assert not os.path.exists(data.buffer.slow.directory)
+
+
+def test_in_memory_reads_nothing_back_from_disk(tmp_path):
+    """What a queued task's inputs are when it is queued: values in RAM, ON_DISK for
+    spilled ones (read back later by the executor thread), KeyError for unknown keys."""
+    data = buffer(directory=str(tmp_path))
+    for i in range(5):
+        data[f"k{i}"] = bytes([i]) * MiB
+    data["small"] = b"x"
+    assert data.in_memory("k0") is ON_DISK and data.in_memory("k1") is ON_DISK
+    assert data.in_memory("k4") == bytes([4]) * MiB and data.in_memory("small") == b"x"
+    assert set(data.buffer.slow) == {"k0", "k1"}  # nothing moved
+    with pytest.raises(KeyError):
+        data.in_memory("nothing")
+    data.close()
+
+
+def test_spilled_values_read_back_on_threads_while_the_loop_spills(tmp_path):
+    """Executor threads read spilled inputs back while the loop thread stores, spills
+    and drops results: every value comes back intact and the counts add up."""
+    data = buffer(target=4 * MiB, directory=str(tmp_path))
+    for i in range(12):
+        data[f"k{i}"] = bytes([i]) * MiB
+    errors = []
+
+    def read(keys):
+        try:
+            for _ in range(5):
+                for key in keys:
+                    assert data[key] == bytes([int(key[1:])]) * MiB
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=([f"k{i}" for i in range(j, 12, 3)],))
+               for j in range(3)]
+    for t in threads:
+        t.start()
+    for i in range(12, 40):  # the loop thread meanwhile stores, spills and drops
+        data[f"n{i}"] = bytes([i]) * MiB
+        data.spill_oldest()
+        data.discard(f"n{i - 2}")
+    for t in threads:
+        t.join()
+    assert not errors
+    held = [k for k in data if k.startswith("k")]
+    assert sorted(held) == sorted(f"k{i}" for i in range(12))
+    assert data.spilled_bytes >= MiB * data.spilled_count
+    assert data.spilled_count == len(data.buffer.slow.sizes)
+    data.close()
 
 
 def test_small_results_never_spill_and_count_in_memory(tmp_path):
@@ -259,9 +309,10 @@ def test_a_burst_of_fast_large_results_never_takes_one_thread_past_the_limit(tmp
     """One thread, 64 tasks queued to it, each making 8 MiB in about a millisecond: the
     gate holds the thread until the monitor has spilled, so the process's peak memory
     while they run stays under the nanny's 95 % (it reached 119 % before the gate:
-    executor threads ran ahead of the 100 ms readings). The peak is read before tasks
-    consume the results: queued tasks read their inputs back from disk when they are
-    queued, not when they start, which the gate does not bound (not done yet)."""
+    executor threads ran ahead of the 100 ms readings). Then 150 tasks consume the
+    spilled results on the same thread: a queued task reads its spilled input back when
+    it starts, not when it is queued, so the peak stays under the limit in that phase
+    too (a CI run reached 191 MiB of 200 there when inputs were read at queue time)."""
     limit, n, size = 200 * MiB, 150, 8 * MiB
     processes = Processes(tmp_path)
     try:
@@ -277,6 +328,8 @@ def test_a_burst_of_fast_large_results_never_takes_one_thread_past_the_limit(tmp
             assert peak < 0.95 * limit, f"peak {peak / MiB:.0f} MiB of {limit / MiB:.0f} MiB"
             sums = client.map(checksum, blocks)
             assert client.gather(sums) == [(size, i % 256, i % 256) for i in range(n)]
+            (peak,) = client.run(peak_rss).values()
+            assert peak < 0.95 * limit, f"peak {peak / MiB:.0f} MiB of {limit / MiB:.0f} MiB"
             assert set(client.scheduler_info()["workers"]) == {worker}
             del blocks, sums
         assert "killed for its memory" not in processes.log("nanny.log")
