@@ -486,9 +486,26 @@ def _is_hash_token(part: str) -> cython.bint:
     return len(part) >= 8 and not part.strip("0123456789abcdef")
 
 
+_UUID_GROUPS = (8, 4, 4, 4, 12)
+
+
+@cython.cfunc
+def _is_uuid_at(parts: list, i: cython.Py_ssize_t) -> cython.bint:
+    """Whether ``parts[i:i + 5]`` are the five hex groups of a uuid (``uuid4()``)."""
+    j: cython.Py_ssize_t
+    if i + 5 > len(parts):
+        return False
+    for j in range(5):
+        part: str = parts[i + j]
+        if len(part) != _UUID_GROUPS[j] or part.strip("0123456789abcdef"):
+            return False
+    return True
+
+
 def key_prefix(key) -> str:
     """The name shared by tasks of one kind: ``"inc-1f3a9c0d..."`` → ``"inc"``,
-    ``("sum-aggregate-9ab1c2d3e4", 0)`` → ``"sum-aggregate"``."""
+    ``("sum-aggregate-9ab1c2d3e4", 0)`` → ``"sum-aggregate"``, and
+    ``"work-2b66532a-49c4-4a05-8f1e-0c2d4e6f8a9b"`` (a ``pure=False`` key) → ``"work"``."""
     if isinstance(key, tuple):
         if not key:
             return "tuple"
@@ -496,7 +513,17 @@ def key_prefix(key) -> str:
     if not isinstance(key, str):
         return type(key).__name__
     parts = key.split("-")
-    words = [p for p in parts if p and not _is_hash_token(p)]
+    words = []
+    i: cython.Py_ssize_t = 0
+    n: cython.Py_ssize_t = len(parts)
+    while i < n:
+        part = parts[i]
+        if len(part) == 8 and n - i >= 5 and _is_uuid_at(parts, i):
+            i += 5  # its 4-digit groups are no words either
+            continue
+        if part and not _is_hash_token(part):
+            words.append(part)
+        i += 1
     return "-".join(words) if words else parts[0]
 
 

@@ -15,6 +15,8 @@ which they announce their addresses.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import itertools
 import logging
 import os
@@ -158,9 +160,11 @@ class LocalCluster:
                quiet: tuple = ()) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
         env.update(self.security.environment())  # not in argv: ps shows argv to everyone
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
+        popen = functools.partial(
+            subprocess.Popen, cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            text=True, env=env,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        proc = _start_in_spawner(popen)
         proc.lines = _pass_through(proc, keep, quiet)
         self._procs.append(proc)
         return proc
@@ -309,6 +313,36 @@ class _LoopThread:
     def stop(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+_SPAWN_REQUESTS: queue.SimpleQueue | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _start_in_spawner(popen) -> subprocess.Popen:
+    """``popen()`` on the one daemon thread that starts this process's cluster
+    processes. Linux sends the parent-death signal when the *thread* that forked the
+    child exits, so a child started from a short-lived thread (``cluster.scale`` called
+    from one) would die with it; the spawner lives until the process exits (a daemon
+    thread: not joined, not stopped before the cluster's own shutdown)."""
+    global _SPAWN_REQUESTS
+    with _SPAWNER_LOCK:
+        if _SPAWN_REQUESTS is None:
+            _SPAWN_REQUESTS = queue.SimpleQueue()
+            threading.Thread(target=_spawn_forever, args=(_SPAWN_REQUESTS,), daemon=True,
+                             name="distributed-core-spawner").start()
+    done = concurrent.futures.Future()
+    _SPAWN_REQUESTS.put((popen, done))
+    return done.result()
+
+
+def _spawn_forever(requests: queue.SimpleQueue) -> None:
+    while True:
+        popen, done = requests.get()
+        try:
+            done.set_result(popen())
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            done.set_exception(exc)
 
 
 def _die_with_parent() -> None:

@@ -302,3 +302,20 @@ def test_reading_the_counters_touches_no_task():
                expected_bytes[name])
         for name, states in expected_prefixes.items()}
     assert sum(w["processing"] for w in after[3].values()) == expected_states["processing"]
+
+
+def test_key_prefix_drops_hashes_uuids_and_counters():
+    """Tasks of one kind share a prefix: a uuid4 (``pure=False``) counts as one token,
+    its short groups included, so their durations are learned under one name."""
+    import uuid
+
+    from distributed_core import key_prefix
+
+    assert key_prefix(f"work-{uuid.uuid4()}") == "work"
+    assert key_prefix(f"my-task-{uuid.uuid4()}-3") == "my-task"
+    assert key_prefix("inc-1f3a9c0d5e") == "inc"
+    assert key_prefix(("sum-aggregate-9ab1c2d3e4", 0)) == "sum-aggregate"
+    assert key_prefix("read-csv-2020-01-01") == "read-csv"
+    assert key_prefix("a-beef-cafe") == "a-beef-cafe"  # short hex words stay words
+    assert key_prefix("1f3a9c0d") == "1f3a9c0d"
+    assert key_prefix(()) == "tuple" and key_prefix(7) == "int"

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import cloudpickle
@@ -177,6 +178,20 @@ def test_a_local_cluster_scales_up_and_down_and_keeps_computing(processes):
         assert tree_sum(client, 10).result(timeout=60) == sum(i * i for i in range(10))
         with pytest.raises(ValueError, match="number of workers"):
             cluster.scale(-1)
+
+
+def test_workers_started_from_a_short_lived_thread_outlive_it():
+    """Linux's parent-death signal follows the thread that forked the child: a worker
+    added by ``scale`` from a thread that then exits must keep running."""
+    with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        thread = threading.Thread(target=cluster.scale, args=(2,))
+        thread.start()
+        thread.join()
+        time.sleep(1.0)  # a SIGTERMed nanny would be gone by now
+        assert len(cluster.worker_processes()) == 2
+        assert len(client.scheduler_info()["workers"]) == 2
+        assert tree_sum(client, 10).result(timeout=60) == sum(i * i for i in range(10))
 
 
 def test_cluster_processes_die_with_a_killed_parent():
