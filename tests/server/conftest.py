@@ -14,6 +14,8 @@ import time
 import msgpack
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from distributed_server import Client, LocalCluster, Security
 from distributed_server.comm import PROTOCOL_VERSION, Comm, CommClosedError, parse_address
@@ -311,3 +313,21 @@ def wait_for(condition, timeout=30.0, interval=0.01):
             return value
         assert time.monotonic() < deadline, "timed out"
         time.sleep(interval)
+
+
+async def fetch(url, *, method="GET", headers=None, follow_redirects=False, **kwargs):
+    """The response, whatever its status (never raises for 4xx)."""
+    request = HTTPRequest(url, method=method, headers=headers or {},
+                          follow_redirects=follow_redirects,
+                          body=kwargs.pop("body", b"" if method in ("POST", "PUT") else None),
+                          allow_nonstandard_methods=True, **kwargs)
+    return await AsyncHTTPClient(force_instance=True).fetch(request, raise_error=False)
+
+
+def metrics(text: str) -> dict:
+    """``{(name, labels as a sorted tuple): value}`` of a Prometheus text page."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out

@@ -16,8 +16,7 @@ import sys
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from server_helpers import fetch, metrics
 
 from distributed_server import Security
 from distributed_server.comm import connect
@@ -44,15 +43,6 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 45))
 
 
-async def fetch(url, *, method="GET", headers=None, follow_redirects=False, **kwargs):
-    """The response, whatever its status (never raises for 4xx)."""
-    request = HTTPRequest(url, method=method, headers=headers or {},
-                          follow_redirects=follow_redirects,
-                          body=kwargs.pop("body", b"" if method in ("POST", "PUT") else None),
-                          allow_nonstandard_methods=True, **kwargs)
-    return await AsyncHTTPClient(force_instance=True).fetch(request, raise_error=False)
-
-
 async def run_one_task(scheduler, key="inc-1", ok=True):
     """A raw worker and client; one task computed; both comms returned."""
     worker = await connect(scheduler.address, {
@@ -75,15 +65,6 @@ async def run_one_task(scheduler, key="inc-1", ok=True):
     worker.send({"op": "heartbeat", "memory": 50_000_000, "managed": 28, "spilled": 7,
                  "spilled_count": 1, "paused": False, "cpu": 0.5})
     return worker, client
-
-
-def metrics(text: str) -> dict:
-    """``{(name, labels as a sorted tuple): value}`` of a Prometheus text page."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
 
 
 def test_status_json_metrics_and_task_stream_show_a_finished_task():

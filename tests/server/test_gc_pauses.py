@@ -5,10 +5,12 @@ import asyncio
 import gc
 import logging
 
-from test_dashboard import LOCAL, fetch, metrics
+from server_helpers import fetch, metrics
 
 from distributed_server.gc_pauses import GC_PAUSES, GCPauses, LoopCollector
 from distributed_server.scheduler import Scheduler
+
+LOCAL = "127.0.0.1:0"
 
 
 def test_collections_are_timed_by_generation_until_uninstalled():
