@@ -77,7 +77,8 @@ _INT32_MAX = 2 ** 31 - 1
 # of a task. It bounds how many tiny tasks the queue horizon lets a worker hold.
 _MIN_TASK_ESTIMATE = 0.0005
 # Tasks of one victim that one balance looks at, at most (it offers the least urgent of
-# them): a balance costs the same with a backlog of a million.
+# them: with a larger backlog, of an arbitrary sample of this many): a balance costs the
+# same with a backlog of a million.
 _STEAL_SCAN = 10_000
 _NO_DEPENDENCIES = ()
 _LOG_FIELDS = 5  # key, start, finish, stimulus_id, time
@@ -1604,7 +1605,8 @@ class SchedulerState:
         A victim is a worker with more tasks than threads (seceded tasks do not count);
         a thief a running worker with a free thread or less than half the mean work per
         thread. Each victim, most loaded first, offers its least urgent tasks beyond
-        one per thread (those it runs last); one moves to the thief where it would start
+        one per thread (those it runs last; of a sample of ``_STEAL_SCAN`` tasks when it
+        has more); one moves to the thief where it would start
         soonest (its work per thread plus the transfer of the inputs it lacks at
         ``steal_bandwidth``, plus ``steal_latency``) if it starts there before it would
         on the victim: ``thief load + (estimate + cost) / thief threads <= victim load -

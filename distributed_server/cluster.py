@@ -139,7 +139,6 @@ class LocalCluster:
         """One more worker: a nanny process (``dcore worker``) and its worker, named
         ``worker-<i>``; a worker on the loop thread with ``processes=False``."""
         name = f"worker-{next(self._names)}"
-        self._worker_names.append(name)
         if not self.processes:
             from .worker import Worker
 
@@ -147,14 +146,16 @@ class LocalCluster:
                             name=name, host=self._host, security=self.security,
                             memory_limit=0)  # one process for all: no per-worker limit
             self._loop_thread.run(worker.start())
-            self._workers.append(worker)
-            return
-        command = [sys.executable, "-m", "distributed_server.cli"]
-        self._workers.append(self._spawn(
-            command + ["worker", self.scheduler_address, "--nthreads",
-                       str(self.threads_per_worker), "--name", name, "--memory-limit",
-                       str(self.memory_limit), "--log-level", self._log_level],
-            quiet=("Worker at ",)))
+        else:
+            command = [sys.executable, "-m", "distributed_server.cli"]
+            worker = self._spawn(
+                command + ["worker", self.scheduler_address, "--nthreads",
+                           str(self.threads_per_worker), "--name", name, "--memory-limit",
+                           str(self.memory_limit), "--log-level", self._log_level],
+                quiet=("Worker at ",))
+        # both lists together, once it started: scale() pairs them to retire by name
+        self._workers.append(worker)
+        self._worker_names.append(name)
 
     def _spawn(self, cmd: list, keep: tuple | str | None = None,
                quiet: tuple = ()) -> subprocess.Popen:

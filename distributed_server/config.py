@@ -77,6 +77,13 @@ def _positive_count(value) -> int:
     return count
 
 
+def _positive_seconds(value) -> float:
+    seconds = parse_seconds(value)
+    if not seconds >= 0.001:  # 0 would run its periodic job without a pause
+        raise ValueError(f"needs at least 1 ms, not {value!r}")
+    return seconds
+
+
 def _flag(value) -> bool:
     if isinstance(value, str) and value.lower() in ("false", "no", "off", "0"):
         return False
@@ -101,7 +108,7 @@ SETTINGS = {
     "scheduler.slice-keys": (None, 1_000, _positive_count),
     "scheduler.work-stealing": ("distributed.scheduler.work-stealing", True, _flag),
     "scheduler.work-stealing-interval": ("distributed.scheduler.work-stealing-interval",
-                                         0.1, parse_seconds),
+                                         0.1, _positive_seconds),
     "worker.memory.target": ("distributed.worker.memory.target", 0.6, _fraction),
     "worker.memory.spill": ("distributed.worker.memory.spill", 0.7, _fraction),
     "worker.memory.pause": ("distributed.worker.memory.pause", 0.8, _fraction),

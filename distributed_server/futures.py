@@ -142,6 +142,7 @@ class _KeyState:
         self.settle(FINISHED)
 
     def fail(self, error: Callable[[], BaseException], traceback: str | None) -> None:
+        self.data = None  # a finished future failed afterwards (its graph) keeps no result
         self.error = error
         self.traceback = traceback
         self.settle(ERROR)

@@ -120,8 +120,11 @@ class LoopCollector:
         self._handle = self._loop.call_later(self.interval, self._tick)
 
     def collect_if_due(self) -> int | None:
-        """Collect the oldest generation whose count passed its threshold, as the
-        automatic collector would on its next allocation; the generation, or None."""
+        """Collect the oldest generation whose count passed its threshold; the
+        generation, or None. Unlike the automatic collector, a generation-2 collection
+        does not also wait for the long-lived objects to have grown by a quarter (the
+        interpreter does not expose that count): with the scheduler's thresholds
+        (100,000, 50, 1000) it comes after 50 million net allocations at the earliest."""
         counts = gc.get_count()
         if counts[0] <= self._thresholds[0]:
             return None

@@ -1194,12 +1194,19 @@ def _parts(parts: list, part_bytes: int):
 def _run_job(job: tuple) -> tuple:
     """On an executor thread: run one job; ``(key, kind, value, report)``."""
     key, _, spec, inputs, check, read_back = job
+    if read_back is not None:  # inputs spilled since the task was queued: not task time
+        for name, value in inputs.items():
+            if value is ON_DISK:
+                try:
+                    inputs[name] = read_back[name]
+                except Exception as exc:  # noqa: BLE001 - a failing disk: the task says so
+                    now = time.time()
+                    error = RuntimeError(
+                        f"could not read input {name!r} of {key!r} back from the worker's "
+                        f"spill directory: {type(exc).__name__}: {exc}")
+                    return key, _FAILURE, None, _erred_report(key, error, now, now)
     start = time.time()
     try:
-        if read_back is not None:  # inputs spilled since the task was queued
-            for name, value in inputs.items():
-                if value is ON_DISK:
-                    inputs[name] = read_back[name]
         value = loads_spec(spec)(inputs)
     except BaseException as exc:  # noqa: BLE001 - any failure of user code is the task's
         stop = time.time()

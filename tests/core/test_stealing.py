@@ -195,7 +195,7 @@ def test_durations_learned_decide_how_much_moves():
     sim.balance()
     asked = steal_asks(sim, "a")
     # a: 7 tasks of 1 s; b: 2 threads. Moves while b's work per thread plus the task is
-    # below a's remaining work minus half a task: 3 tasks.
+    # below a's remaining work minus half a task: 4 tasks (a fifth would not be).
     assert asked == [("t", 7), ("t", 6), ("t", 5), ("t", 4)][:len(asked)]
     assert len(asked) == 4
 

@@ -38,6 +38,11 @@ def test_explicit_then_ours_then_dasks_then_the_default(monkeypatch):
     with dask_config.set({"distributed.scheduler.allowed-failures": "many"}):
         with pytest.raises(ValueError, match="distributed.scheduler.allowed-failures"):
             config.get("scheduler.allowed-failures")
+    with dask_config.set({"distributed.scheduler.work-stealing-interval": "0ms"}):
+        with pytest.raises(ValueError, match="at least 1 ms"):
+            config.get("scheduler.work-stealing-interval")
+    with dask_config.set({"distributed.scheduler.work-stealing-interval": "50ms"}):
+        assert config.get("scheduler.work-stealing-interval") == pytest.approx(0.05)
 
 
 def test_servers_take_their_defaults_from_configuration():

@@ -48,7 +48,8 @@ def test_a_worker_joining_mid_run_receives_queued_work(processes):
     with connect(processes) as c:
         c.wait_for_workers(1, timeout=30)
         base = c.submit(root)
-        futures = [c.submit(work, i, base, 0.1, pure=False) for i in range(120)]
+        # 20 s of work on one thread: the second worker joins with most of it left
+        futures = [c.submit(work, i, base, 0.1, pure=False) for i in range(200)]
         wait_for(lambda: sum(f.done() for f in futures) >= 8, timeout=60)
         first_pids = {f.result()[1] for f in futures if f.done()}
         processes.nanny("--nthreads", "1", name="second", log="second.log")
@@ -56,7 +57,7 @@ def test_a_worker_joining_mid_run_receives_queued_work(processes):
         left = sum(not f.done() for f in futures)
         results = c.gather(futures)
     assert left >= 20, f"only {left} tasks were left when the second worker joined"
-    assert [value for value, _ in results] == [1000 + i for i in range(120)]
+    assert [value for value, _ in results] == [1000 + i for i in range(200)]
     pids = {pid for _, pid in results}
     assert len(first_pids) == 1 and len(pids) == 2, (first_pids, pids)
     assert sum(pid not in first_pids for _, pid in results) >= 5
