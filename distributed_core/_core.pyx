@@ -1628,26 +1628,40 @@ class SchedulerState:
         without beginning it (the task goes to the thief); False, it keeps it. Answers
         that match no pending request of that worker (stale: the task moved on meanwhile,
         or not the worker's business) change nothing."""
+        return self.steal_responses(worker, [(key, request, given)], stimulus_id)
+
+    def steal_responses(self, worker, answers, stimulus_id) -> tuple:
+        """Several answers of one worker, ``[(key, request, given), ...]``, as one
+        stimulus (a victim answers a balance's requests together). Every answer is
+        checked before any is applied: one bad answer refuses them all."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(worker, "worker")
-        _check_key(key, "steal_response")
-        if type(request) is not int:
-            raise InvalidStimulus(f"steal_response: request must be an int, not "
-                                  f"{bounded_repr(request)}")
-        if type(given) is not bool:
-            raise InvalidStimulus(f"steal_response: given must be a bool, not "
-                                  f"{bounded_repr(given)}")
+        if type(answers) is not list:
+            raise InvalidStimulus(f"steal_responses: answers must be a list, not "
+                                  f"{bounded_repr(answers)}")
+        for answer in answers:
+            if type(answer) is not tuple or len(answer) != 3:
+                raise InvalidStimulus(f"steal_responses: an answer must be (key, request, "
+                                      f"given), not {bounded_repr(answer)}")
+            _check_key(answer[0], "steal_response")
+            if type(answer[1]) is not int:
+                raise InvalidStimulus(f"steal_response: request must be an int, not "
+                                      f"{bounded_repr(answer[1])}")
+            if type(answer[2]) is not bool:
+                raise InvalidStimulus(f"steal_response: given must be a bool, not "
+                                      f"{bounded_repr(answer[2])}")
         self._begin(stimulus_id)
-        ts: TaskState = self.tasks.get(key)
-        if ts is not None and ts.processing_on is not None \
-                and ts.processing_on.address == worker:
-            record = self._steals.get(ts)
-            if record is not None and record[1] == request:
-                del self._steals[ts]
-                if given:
-                    self._steal_given(ts, record[0])
-                else:
-                    self._steal_refused[ts] = None
+        for key, request, given in answers:
+            ts: TaskState = self.tasks.get(key)
+            if ts is not None and ts.processing_on is not None \
+                    and ts.processing_on.address == worker:
+                record = self._steals.get(ts)
+                if record is not None and record[1] == request:
+                    del self._steals[ts]
+                    if given:
+                        self._steal_given(ts, record[0])
+                    else:
+                        self._steal_refused[ts] = None
         return self._end()
 
     def steal_counts(self) -> dict:
@@ -1665,6 +1679,17 @@ class SchedulerState:
         return ws.nthreads + len(ws.long_running)
 
     @cython.cfunc
+    def _victim_floor(self, ws: WorkerState) -> cython.Py_ssize_t:
+        """Tasks ``ws`` may hold before it counts as a victim: its `_spare`, plus what
+        the queue's saturation gives every worker beyond its threads (queued tasks are
+        balanced by the queue itself; stealing them between equally busy workers only
+        moves them back and forth)."""
+        extra: cython.Py_ssize_t = 0
+        if ws.slots < _UNLIMITED_SLOTS and ws.slots > ws.nthreads:
+            extra = ws.slots - ws.nthreads
+        return self._spare(ws) + extra
+
+    @cython.cfunc
     def _may_steal(self) -> cython.bint:
         """Whether some worker has tasks waiting behind its threads while a running one
         has a free thread or none waiting: the cheap test before any balancing."""
@@ -1675,8 +1700,7 @@ class SchedulerState:
             return False  # the queue feeds every worker with room: nobody waits for work
         for ws in self.workers.values():
             n: cython.Py_ssize_t = len(ws.processing)
-            spare: cython.Py_ssize_t = self._spare(ws)
-            if n > spare:
+            if n > self._victim_floor(ws):
                 victim = True
             elif ws.status == WORKER_RUNNING:
                 thief = True
@@ -1704,7 +1728,7 @@ class SchedulerState:
         victims = []
         thieves = []
         for ws in self.workers.values():
-            if count[ws] > self._spare(ws):
+            if count[ws] > self._victim_floor(ws):
                 victims.append((load[ws] / ws.nthreads, ws.address, ws))
             elif ws.status == WORKER_RUNNING and (count[ws] < self._spare(ws)
                                                   or load[ws] / ws.nthreads < mean / 2):
@@ -1714,7 +1738,7 @@ class SchedulerState:
         victims.sort(reverse=True)
         for entry in victims:
             ws = entry[2]
-            extra: cython.Py_ssize_t = count[ws] - self._spare(ws)
+            extra: cython.Py_ssize_t = count[ws] - self._victim_floor(ws)
             candidates = []
             for ts in ws.processing:
                 if ts in self._steals or ts in self._steal_refused or (

@@ -139,6 +139,7 @@ class Scheduler:
         #: while there are two workers or more, and when a worker joins).
         self.work_stealing = config.get("scheduler.work-stealing", work_stealing)
         self.stealing_interval = config.get("scheduler.work-stealing-interval")
+        self._last_balance = 0.0  # time.monotonic() of the last balance
         worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
         allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
         client_idle_timeout = config.get("scheduler.client-idle-timeout", client_idle_timeout)
@@ -523,6 +524,7 @@ class Scheduler:
     def _handle_worker_msgs(self, address: str, msgs: list) -> None:
         finished: list = []
         erred: list = []
+        steals: list = []  # a victim's answers to a balance's steal requests: one stimulus
         for msg in msgs:
             op = msg["op"]
             if op == "task-finished":
@@ -530,6 +532,9 @@ class Scheduler:
                 continue
             if op == "task-erred":
                 erred.append(msg)
+                continue
+            if op == "steal-response":
+                steals.append((msg.get("key"), msg.get("request"), msg.get("given")))
                 continue
             if op == "heartbeat":
                 self.worker_memory[address] = _memory_figures(msg, address)
@@ -540,16 +545,13 @@ class Scheduler:
             if op == "reply":  # to a story or logs request (introspection.WorkerRequests)
                 self._worker_requests.answer(address, msg)
                 continue
-            self._flush_reports(address, finished, erred)
-            finished, erred = [], []
+            self._flush_reports(address, finished, erred, steals)
+            finished, erred, steals = [], [], []
             if op == "missing-data":
                 self._stimulus(address, op, self.state.missing_data, address, msg.get("key"),
                                msg.get("errant_worker"))
             elif op == "reschedule":
                 self._stimulus(address, op, self.state.reschedule, address, msg.get("key"))
-            elif op == "steal-response":  # a victim's answer to a steal-request
-                self._stimulus(address, op, self.state.steal_response, address,
-                               msg.get("key"), msg.get("request"), msg.get("given"))
             elif op == "long-running":  # a task seceded: it waits without a thread
                 self._stimulus(address, op, self.state.task_seceded, address, msg.get("key"))
             elif op == "add-keys":  # it holds copies it was asked for (retirement.py)
@@ -562,19 +564,28 @@ class Scheduler:
             else:
                 raise MessageError(f"unknown operation {bounded_repr(op, 60)} from worker "
                                    f"{address}")
-        self._flush_reports(address, finished, erred)
+        self._flush_reports(address, finished, erred, steals)
 
-    def _flush_reports(self, address: str, finished: list, erred: list) -> None:
+    def _flush_reports(self, address: str, finished: list, erred: list,
+                       steals: list) -> None:
         if finished and self._stimulus(address, "task-finished", self.state.task_finished,
                                        address, finished):
             self.task_stream.record(address, finished, True)
             if self.work_stealing and len(self.state.workers) > 1:
                 ws = self.state.workers.get(address)
-                if ws is not None and len(ws.processing) <= ws.nthreads:
-                    self._balance()  # nothing waits there: do not wait for the timer
+                now = time.monotonic()
+                # nothing waits there: do not wait for the timer (but balance at most
+                # four times an interval: a stream of fast reports must not become a
+                # stream of balances)
+                if ws is not None and len(ws.processing) <= ws.nthreads and \
+                        now - self._last_balance >= self.stealing_interval / 4:
+                    self._balance()
         if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
                                     erred):
             self.task_stream.record(address, erred, False)
+        if steals:
+            self._stimulus(address, "steal-response", self.state.steal_responses, address,
+                           steals)
 
     async def _steal_loop(self) -> None:
         """Work stealing: the core's ``balance`` every ``stealing_interval`` while two
@@ -585,6 +596,7 @@ class Scheduler:
                 self._balance()
 
     def _balance(self) -> None:
+        self._last_balance = time.monotonic()
         self._stimulus("scheduler", "balance", self.state.balance)
 
     async def _check_ttl(self) -> None:

@@ -37,10 +37,12 @@ SPEC_BLOB_BYTES = 64 * 1024
 #: keyword) whose pickle is at least this large is sent once, as a task of its own that
 #: every task depends on (`_MapEncoder`).
 SHARE_MIN_BYTES = 512
-#: The same for the function: a function pickled by value (defined in ``__main__``, a
-#: lambda, a closure) is 300 bytes or more, and costs a worker ~8 us to rebuild per
-#: task; one pickled by reference is a module and a name (under 100 bytes).
-SHARE_FUNCTION_MIN_BYTES = 256
+#: The same for the function, once its pickle is this large: a closure or partial
+#: carrying data. A plain function pickled by value (``__main__``, a lambda) is
+#: 300-1,500 bytes and stays in every spec: shared, it would be a task of its own that
+#: users see in their task counts, progress bars and reports (the worker's cost of
+#: rebuilding it, ~8 us a task, is what that leaves unsaved).
+SHARE_FUNCTION_MIN_BYTES = 2048
 
 
 _ATOMIC = frozenset({int, float, complex, bool, str, bytes, type(None), TaskRef})

@@ -201,14 +201,23 @@ def test_durations_learned_decide_how_much_moves():
 
 
 def test_the_steal_request_and_compute_task_messages():
-    sim = loaded_worker(n=2)
+    # 3 tasks on 1 thread: one more than the queue's saturation (1.1) gives a worker
+    sim = loaded_worker(n=3)
     _, worker_msgs = sim.balance(stimulus_id="bal")
-    assert worker_msgs == {"a": [{"op": "steal-request", "key": "t1", "request": 1,
+    assert worker_msgs == {"a": [{"op": "steal-request", "key": "t2", "request": 1,
                                   "stimulus_id": "bal"}]}
     sim.steal_asks["a"].clear()
-    del sim.computing["a"]["t1"]
-    _, worker_msgs = sim.record(sim.state.steal_response("a", "t1", 1, True, "given"))
-    assert computed(worker_msgs) == {"t1": "b"}
+    del sim.computing["a"]["t2"]
+    _, worker_msgs = sim.record(sim.state.steal_response("a", "t2", 1, True, "given"))
+    assert computed(worker_msgs) == {"t2": "b"}
+
+
+def test_a_worker_holding_only_its_saturation_is_no_victim():
+    """The queue gives each worker ceil(threads x 1.1) tasks; stealing between equally
+    busy workers would only move them back and forth."""
+    sim = loaded_worker(n=2)
+    assert sim.balance(stimulus_id="bal")[1] == {}
+    assert sim.state.steal_counts()["requests"] == 0
 
 
 @pytest.mark.parametrize("args, match", [
@@ -241,3 +250,20 @@ def test_no_stealing_while_the_scheduler_queue_feeds_the_workers():
     sim.submit([task(f"q{i}") for i in range(20)], [f"q{i}" for i in range(20)])
     assert sim.state.n_queued > 0
     assert sim.state.balance("b") == ({}, {})
+
+
+def test_answers_of_one_batch_are_one_stimulus_and_one_bad_answer_refuses_them_all():
+    sim = loaded_worker(n=4)
+    _, worker_msgs = sim.balance(stimulus_id="bal")
+    asked = [(m["key"], m["request"]) for m in worker_msgs["a"]]
+    assert len(asked) == 2
+    assert_refused(sim.state, lambda: sim.state.steal_responses(
+        "a", [(asked[0][0], asked[0][1], True), (asked[1][0], "2", True)], "bad"),
+        InvalidStimulus, "request must be an int")
+    for key, _ in asked:
+        del sim.computing["a"][key]
+    sim.steal_asks["a"].clear()
+    _, worker_msgs = sim.record(sim.state.steal_responses(
+        "a", [(key, request, True) for key, request in asked], "given"))
+    assert computed(worker_msgs) == {key: "b" for key, _ in asked}
+    assert sim.state.steal_counts()["moved"] == 2
