@@ -23,6 +23,7 @@ if anything on the scheduler's side ever loaded them.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import queue
@@ -948,6 +949,7 @@ def test_client_cannot_cancel_retry_or_overwrite_keys_only_another_client_wants(
     with pytest.raises(ValueError, match="planned failure 1"):
         erred.result(timeout=5)
     del held, erred, running
+    gc.collect()  # the raised errors' tracebacks hold the futures in reference cycles
     finish_honestly(cluster, client)
 
 
