@@ -59,6 +59,9 @@ MONITOR_INTERVAL = 0.1
 SPILL_SLICE_SECONDS = 0.05
 #: Results of at most this many bytes never spill (SpillBuffer).
 SMALL_RESULT_BYTES = 1024
+#: An executor thread that made a result at least this large reads the process's memory
+#: (`ExecutionGate.produced`) instead of adding its size to the monitor's last reading.
+GATE_READS_RSS_BYTES = 1 << 20
 #: After a disk error, seconds during which no spill is tried (values stay in RAM).
 DISK_RETRY_SECONDS = 30.0
 _LOG_EVERY = 60.0
@@ -394,28 +397,41 @@ class MemoryMonitor:
 class ExecutionGate:
     """Holds executor threads before their next task while the results they made since
     the monitor's last look could push memory past ``threshold`` bytes, or while the
-    monitor is still spilling. Not while the worker is paused: jobs already queued hold
-    their inputs, and only running them frees that memory (the pause stops new jobs).
+    monitor is still spilling, or the loop has results of theirs still to store. Never
+    just because memory is high (nor while paused): jobs already queued may hold their
+    inputs, and only running them frees that memory (the pause stops new jobs).
 
     Threads call `produced` after each result (with its size) and `wait` before each
-    task; the first result that crosses the threshold closes the gate and calls
-    ``request_check`` (which must make the event loop run the monitor soon); the loop
-    reopens it with `checked`. Costs a thread an addition and a comparison per task while
-    the gate is open."""
+    task; the first result after which one more as large would cross the threshold
+    closes the gate and calls ``request_check`` (which must make the event loop run the
+    monitor soon); the loop reopens it with `checked` once the results are stored and
+    spilled. Costs a thread an addition and a comparison per small result while the gate
+    is open, and a reading of the process's memory per large one."""
 
-    def __init__(self, threshold: float, request_check: Callable[[], None]) -> None:
+    def __init__(self, threshold: float, request_check: Callable[[], None],
+                 rss: Callable[[], int] | None = None) -> None:
         self.threshold = threshold
         self._request_check = request_check
-        self._base = 0  # the monitor's estimate of process memory at its last look
+        self._rss = rss
+        self._base = 0  # process memory at the monitor's last look (or a thread's reading)
         self._produced = 0  # bytes of results made since (races between threads only
         # lose a few counts, and the next timed check corrects the base)
         self._open = threading.Event()
         self._open.set()
 
     def produced(self, nbytes: int) -> None:
-        """From an executor thread: a result of ``nbytes`` was made."""
-        self._produced += nbytes
-        if self._base + self._produced > self.threshold and self._open.is_set():
+        """From an executor thread: a result of ``nbytes`` was made; the gate closes if
+        one more result as large would pass the threshold. After a result of
+        `GATE_READS_RSS_BYTES` or more the thread reads the process's memory itself
+        (about 20 µs, little next to making a MiB), so memory that grew since the
+        monitor's last look in other ways (task code, transfers, imports) counts too."""
+        if nbytes >= GATE_READS_RSS_BYTES and self._rss is not None:
+            self._base = self._rss()
+            self._produced = 0
+        else:
+            self._produced += nbytes
+        # one result ahead: the next task is likely to make as much as this one did
+        if self._base + self._produced + nbytes > self.threshold and self._open.is_set():
             self._open.clear()
             self._request_check()
 
@@ -431,15 +447,25 @@ class ExecutionGate:
         """Whether threads may start tasks."""
         return self._open.is_set()
 
-    def checked(self, estimate: int, hold: bool) -> None:
+    def checked(self, estimate: int, spilling: bool, unstored: bool) -> bool:
         """From the event loop, after the monitor looked: its ``estimate`` of process
-        memory, and whether threads must keep holding (the monitor is still spilling)."""
+        memory, whether it is still spilling, and whether results the threads made are
+        still waiting for the loop to store them (only stored results can spill). True if
+        threads must keep holding: the loop should look again soon.
+
+        Holds while spilling, and while the estimate is past the threshold with results
+        unstored: storing them lets them spill, and a thread let go meanwhile would add
+        one result per look, faster than a busy loop stores them. Otherwise it opens even
+        past the threshold: what holds the memory then (task code, inputs of queued jobs)
+        only running tasks can free, and the pause stops new jobs."""
         self._base = estimate
         self._produced = 0
+        hold = spilling or (unstored and estimate > self.threshold)
         if hold:
             self._open.clear()
         else:
             self._open.set()
+        return hold
 
     def release(self) -> None:
         """Open for good (the worker is closing: threads must reach their exit)."""

@@ -443,7 +443,8 @@ class Worker:
                                     self.memory_spill_fraction, self.memory_pause_fraction)
         fraction = self.memory_spill_fraction or self.memory_pause_fraction
         if fraction:
-            self._gate = ExecutionGate(fraction * self.memory_limit, self._request_memory_check)
+            self._gate = ExecutionGate(fraction * self.memory_limit, self._request_memory_check,
+                                       self.memory.rss)
         self._memory_handle = self._loop.call_later(MONITOR_INTERVAL, self._check_memory)
 
     def _pop_data(self, key) -> None:
@@ -473,12 +474,12 @@ class Worker:
                            "%s", self.address, _mib(self.memory.memory),
                            100 * self.memory_pause_fraction, _mib(limit))
             self.unpause()
+        soon = self.memory.behind
         if self._gate is not None:
-            # Not held while paused: the jobs already queued hold their inputs, and only
-            # running them frees that memory (a pause stops new jobs, in the core).
-            self._gate.checked(self.memory.estimate, self.memory.behind)
+            soon = self._gate.checked(self.memory.estimate, self.memory.behind,
+                                      bool(self._outcomes))
         if self.status == RUNNING_STATUS:
-            delay = 0.001 if self.memory.behind else MONITOR_INTERVAL
+            delay = 0.001 if soon else MONITOR_INTERVAL
             self._memory_handle = self._loop.call_later(delay, self._check_memory)
 
     def _request_memory_check(self) -> None:

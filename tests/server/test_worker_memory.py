@@ -209,25 +209,61 @@ def test_the_buffer_keeps_in_ram_only_what_the_process_has_room_for(tmp_path):
 def test_the_gate_holds_threads_whose_results_outrun_the_monitor():
     requests = []
     gate = ExecutionGate(100, lambda: requests.append(1))
-    gate.checked(60, hold=False)
-    gate.produced(30)
+    assert gate.checked(60, spilling=False, unstored=False) is False
+    gate.produced(10)  # 60 + 10, and room for one more such result
     assert gate.is_open and not requests
-    gate.produced(20)  # 60 + 50 > 100: closed, and the loop asked to look, once
-    gate.produced(20)
+    gate.produced(20)  # 60 + 30 + one more 20 > 100: closed, and the loop asked to look
+    gate.produced(20)  # ... once
     assert not gate.is_open and requests == [1]
     stops = iter([False, True])
     gate.wait(lambda: next(stops))  # returns when the worker stops (after 0.2 s)
-    gate.checked(95, hold=False)  # the monitor looked: what was produced is in its reading
+    # the monitor looked: what was produced is in its reading
+    assert gate.checked(95, spilling=False, unstored=False) is False
     assert gate.is_open
     gate.produced(10)
     assert not gate.is_open and requests == [1, 1]
-    gate.checked(40, hold=True)  # still spilling: stays closed whatever the reading
+    # still spilling: stays closed whatever the reading, and asks for another look
+    assert gate.checked(40, spilling=True, unstored=False) is True
     assert not gate.is_open
+    # past the threshold with results the loop has not stored yet (so could not spill):
+    # closed until the loop has stored them and looked again
+    assert gate.checked(130, spilling=False, unstored=True) is True
+    assert not gate.is_open
+    assert gate.checked(90, spilling=False, unstored=True) is False  # under it: open
+    assert gate.is_open
+    # past the threshold with nothing left for the loop to store: only running tasks can
+    # free that memory (task code, queued jobs' inputs), so the threads go on
+    assert gate.checked(130, spilling=False, unstored=False) is False
+    assert gate.is_open
+    gate.produced(1)  # ... one task per look while it stays past the threshold
+    assert not gate.is_open and requests == [1, 1, 1]
     released = threading.Thread(target=gate.wait, args=(lambda: False,))
     released.start()
     gate.release()  # closing: the waiting thread goes on
     released.join(timeout=5)
     assert not released.is_alive() and gate.is_open
+
+
+def test_the_gate_reads_the_process_memory_after_a_large_result():
+    """Memory that grew since the monitor's last look other than by results (task code,
+    transfers, an import) closes the gate too: after a result of a MiB or more the thread
+    reads the process's memory instead of adding the result's size to the last reading."""
+    requests, rss = [], [0]
+    gate = ExecutionGate(100 * MiB, lambda: requests.append(1), rss=lambda: rss[0])
+    gate.checked(50 * MiB, spilling=False, unstored=False)
+    rss[0] = 90 * MiB
+    gate.produced(1000)  # small: counted, not read (50 MiB + 1000 B)
+    assert gate.is_open
+    rss[0] = 101 * MiB  # 40 MiB more than the monitor saw and the results made
+    gate.produced(MiB)
+    assert not gate.is_open and requests == [1]
+    gate.checked(60 * MiB, spilling=False, unstored=False)
+    rss[0] = 70 * MiB
+    gate.produced(2 * MiB)  # the reading, 70 MiB, replaces 60 + 2
+    gate.produced(29 * MiB)  # ... which this large result's reading replaces again
+    assert gate.is_open and requests == [1]
+    gate.produced(31 * MiB)  # 70 MiB read, and one more such result would pass 100
+    assert not gate.is_open and requests == [1, 1]
 
 
 def test_a_monitor_without_pause_never_pauses():
