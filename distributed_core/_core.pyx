@@ -1602,7 +1602,8 @@ class SchedulerState:
         """Work stealing: ask busy workers to give back tasks they have not begun, for
         workers with room (a worker that just joined, one whose tasks turned out short).
 
-        A victim is a worker with more tasks than threads (seceded tasks do not count);
+        A victim is a worker with more tasks than `_victim_floor`: its threads plus its
+        seceded tasks, plus what the queue's saturation gives it beyond its threads;
         a thief a running worker with a free thread or less than half the mean work per
         thread. Each victim, most loaded first, offers its least urgent tasks beyond
         one per thread (those it runs last; of a sample of ``_STEAL_SCAN`` tasks when it
@@ -1684,10 +1685,11 @@ class SchedulerState:
         the queue's saturation gives every worker beyond its threads (queued tasks are
         balanced by the queue itself; stealing them between equally busy workers only
         moves them back and forth)."""
-        extra: cython.Py_ssize_t = 0
-        if ws.slots < _UNLIMITED_SLOTS and ws.slots > ws.nthreads:
-            extra = ws.slots - ws.nthreads
-        return self._spare(ws) + extra
+        spare: cython.Py_ssize_t = self._spare(ws)
+        # slots count the seceded tasks too (one more each), as `_spare` does
+        if ws.slots < _UNLIMITED_SLOTS and ws.slots > spare:
+            return ws.slots
+        return spare
 
     @cython.cfunc
     def _may_steal(self) -> cython.bint:

@@ -241,7 +241,7 @@ def _give_up(client, created: list, sent: set, error: BaseException, n_sent: int
                 released.append(state.key)
     if released:
         client._release_temporary(released)
-    if n_sent and isinstance(error, Exception):
+    if n_sent and isinstance(error, Exception) and hasattr(error, "add_note"):  # 3.11+
         error.add_note(f"distributed-core: sending the graph failed after {n_sent:,} of "
                        f"{n_tasks:,} tasks had gone to the scheduler; those were "
                        f"released, and every future of the graph fails with this error")

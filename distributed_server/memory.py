@@ -62,6 +62,10 @@ SMALL_RESULT_BYTES = 1024
 #: An executor thread that made a result at least this large reads the process's memory
 #: (`ExecutionGate.produced`) instead of adding its size to the monitor's last reading.
 GATE_READS_RSS_BYTES = 1 << 20
+#: Bytes of small results threads may make between two looks while memory is past the
+#: gate's threshold for reasons spilling cannot help (`ExecutionGate.checked`; at most a
+#: tenth of the threshold).
+GATE_BUDGET_BYTES = 8 << 20
 #: After a disk error, seconds during which no spill is tried (values stay in RAM).
 DISK_RETRY_SECONDS = 30.0
 _LOG_EVERY = 60.0
@@ -106,13 +110,14 @@ class SpillDirectory(MutableMapping):
     def __setitem__(self, key, value) -> None:
         self.discard(key)
         if key in self.unpicklable or time.monotonic() < self._disk_failed_until:
-            self.kept[key] = value
+            self._keep(key, value)
             return
         try:
             frames = dumps_data(value)
         except Exception as exc:  # noqa: BLE001 - any pickling failure: keep it in RAM
-            self.unpicklable.add(key)
-            self.kept[key] = value
+            with self._lock:
+                self.unpicklable.add(key)
+                self.kept[key] = value
             self._log("cannot spill %r: its value (%s) cannot be pickled: %s; keeping it in "
                       "memory", key, type(value).__name__, exc)
             return
@@ -124,7 +129,7 @@ class SpillDirectory(MutableMapping):
         except OSError as exc:
             self._files.discard(name)
             self._disk_failed_until = time.monotonic() + DISK_RETRY_SECONDS
-            self.kept[key] = value
+            self._keep(key, value)
             self._log("cannot spill to %s: %s; keeping results in memory for %.0fs",
                       self.directory, exc, DISK_RETRY_SECONDS)
             return
@@ -173,20 +178,26 @@ class SpillDirectory(MutableMapping):
         return key in self.sizes or key in self.kept
 
     def __iter__(self):
-        yield from self.sizes
-        yield from self.kept
+        with self._lock:  # a snapshot: another thread may spill meanwhile
+            keys = [*self.sizes, *self.kept]
+        yield from keys
 
     def __len__(self) -> int:
         return len(self.sizes) + len(self.kept)
 
     def close(self) -> None:
         """Forget everything and remove the directory."""
-        self.sizes.clear()
-        self._names.clear()
-        self.kept.clear()
-        self.unpicklable.clear()
-        self.spilled_bytes = 0
+        with self._lock:
+            self.sizes.clear()
+            self._names.clear()
+            self.kept.clear()
+            self.unpicklable.clear()
+            self.spilled_bytes = 0
         shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _keep(self, key, value) -> None:
+        with self._lock:
+            self.kept[key] = value
 
     def _log(self, text: str, *args) -> None:
         now = time.monotonic()
@@ -413,6 +424,7 @@ class ExecutionGate:
         self.threshold = threshold
         self._request_check = request_check
         self._rss = rss
+        self._budget = min(GATE_BUDGET_BYTES, threshold / 10)
         self._base = 0  # process memory at the monitor's last look (or a thread's reading)
         self._produced = 0  # bytes of results made since (races between threads only
         # lose a few counts, and the next timed check corrects the base)
@@ -458,12 +470,16 @@ class ExecutionGate:
         one result per look, faster than a busy loop stores them. Otherwise it opens even
         past the threshold: what holds the memory then (task code, inputs of queued jobs)
         only running tasks can free, and the pause stops new jobs."""
-        self._base = estimate
         self._produced = 0
         hold = spilling or (unstored and estimate > self.threshold)
         if hold:
+            self._base = estimate
             self._open.clear()
         else:
+            # at or past the threshold anyway: small results get a budget until the next
+            # look instead of one look per task (a large one reads the memory and closes
+            # the gate again, as it should: it has to spill)
+            self._base = min(estimate, self.threshold - self._budget)
             self._open.set()
         return hold
 

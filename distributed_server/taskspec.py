@@ -185,7 +185,8 @@ class _TaskEncoder:
     Plain arguments (see `_ArgWalker`) take the fast path: the spec is the function's
     pickled head plus the arguments' standard pickle, and a pure key hashes the head
     once. Other arguments are pickled with cloudpickle, task by task. Either way the
-    spec unpickles to ``Call(func, args, kwargs)`` and a pure key is
+    spec unpickles to ``Call(func, args, kwargs)`` (``func`` a TaskRef to the function's
+    shared task once `share_function` was called) and a pure key is
     ``f"{prefix}-{blake2b(spec)}"``.
     """
 
@@ -202,12 +203,15 @@ class _TaskEncoder:
         self.options = options
         #: Keys of shared values (`_MapEncoder`) every task of this encoder depends on.
         self.shared_deps: tuple = ()
+        #: What a spec calls: the function, or a reference to its shared task.
+        self.callee = self.func
 
     def share_function(self, key: str) -> None:
         """Tasks from now on find the function under ``key`` among their dependencies
         (`_MapEncoder` adds the key to `shared_deps`)."""
         self.head = _shared_function_head(key)
         self.head_hash = hashlib.blake2b(self.head, digest_size=16)
+        self.callee = TaskRef(key)
 
     def task(self, args: tuple, kwargs: dict | None, key=None) -> dict:
         walker = _ArgWalker(self.client)
@@ -223,7 +227,7 @@ class _TaskEncoder:
                 digest.update(body)
                 key = f"{self.prefix}-{digest.hexdigest()}"
         else:
-            spec = dumps_spec(Call(self.func, args, kwargs))
+            spec = dumps_spec(Call(self.callee, args, kwargs))
             if key is None and self.pure:
                 key = f"{self.prefix}-{_digest(spec)}"
         if key is None:

@@ -11,7 +11,7 @@ machine has that key in memory.
 - Registers with the scheduler (handshake role ``"worker"``) and reads its batched
   stream: the ``compute-task``, ``free-keys``, ``acquire-replicas`` (copies the
   scheduler wants here: retirement, replicate, rebalance) and ``steal-request`` (work
-  stealing: a task not handed to the executor is given back) messages of one frame are
+  stealing: a task no executor thread has begun is given back) messages of one frame are
   one ``scheduler_messages`` stimulus (their executions start in priority order, their
   inputs are asked of each peer in one request), ``close`` closes. No asyncio Task is
   made per task.

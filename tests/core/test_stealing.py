@@ -172,15 +172,36 @@ def test_no_balance_with_one_worker_or_without_waiting_work():
 
 
 def test_restricted_and_seceded_tasks_stay():
+    """A busy victim gives up only tasks free to move: not those restricted to it, not
+    the one that seceded (it is running)."""
     sim = Sim()
     sim.add_worker("a", 1)
+    free = [f"u{i}" for i in range(6)]
     sim.submit([task("r")] + [task(f"t{i}", "r", workers=["a"]) for i in range(3)]
-               + [task("s", "r")], ["t0", "t1", "t2", "s"])
+               + [task("s", "r")] + [task(u, "r") for u in free],
+               ["t0", "t1", "t2", "s"] + free)
     sim.finish("r")
+    assert len(sim.computing["a"]) == 10
     sim.add_worker("b", 1)
     sim.record(sim.state.task_seceded("a", "s", "secede"))
     sim.balance()
-    assert steal_asks(sim, "a") == []
+    asked = steal_asks(sim, "a")
+    assert asked and set(asked) <= set(free), asked
+
+
+def test_seceded_tasks_are_counted_once_in_a_victims_floor():
+    """A worker with 1 thread and 1 seceded task runs 2 at once; the queue's saturation
+    gives it one slot more: 3 tasks make it no victim, 4 do."""
+    for n, victim in ((3, False), (4, True)):
+        sim = Sim()
+        sim.add_worker("a", 1)
+        sim.submit([task("r")] + [task(f"t{i}", "r") for i in range(n)],
+                   [f"t{i}" for i in range(n)])
+        sim.finish("r")
+        sim.add_worker("b", 1)
+        sim.record(sim.state.task_seceded("a", "t0", "secede"))
+        sim.balance()
+        assert bool(steal_asks(sim, "a")) is victim, (n, steal_asks(sim, "a"))
 
 
 def test_durations_learned_decide_how_much_moves():

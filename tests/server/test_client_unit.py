@@ -436,6 +436,22 @@ def test_map_shares_constants_with_rows_that_need_the_general_path(scheduler, cl
     assert [sorted(t["deps"]) for t in graph["tasks"]] == [sorted([x.key, shared]) for x in xs]
 
 
+def measure(table, xs, c):
+    return len(table) + sum(xs) + len(c)
+
+
+def test_map_shares_a_large_function_with_rows_that_need_the_general_path(scheduler,
+                                                                         client):
+    """Rows holding other objects take `_TaskEncoder.task`'s general path; a shared
+    function's spec there calls the shared task's reference, so the function's bytes
+    still travel once."""
+    func = functools.partial(measure, b"F" * 3000)
+    futures = client.map(func, [range(i) for i in range(4)], [b"c"] * 4)  # not plain
+    assert client.gather(futures) == [3000 + sum(range(i)) + 1 for i in range(4)]
+    specs = [bytes(t["spec"]) for g in scheduler.sent("update-graph") for t in g["tasks"]]
+    assert sum(b"F" * 3000 in spec for spec in specs) == 1, [len(s) for s in specs]
+
+
 def test_map_of_one_task_or_small_values_shares_nothing(scheduler, client):
     assert client.gather(client.map(combine, [b"t"], [1], [b"c" * 5000])) == [5002]
     assert client.gather(client.map(combine, [b"t", b"u"], [1, 2], [b"c", b"c"])) == [3, 4]

@@ -22,6 +22,6 @@ def test_small_changes_never_trim():
 
 
 def test_trim_heap_answers_without_glibc_too(monkeypatch):
-    assert heap_trim.trim_heap() in (True, False)
+    assert type(heap_trim.trim_heap()) is bool
     monkeypatch.setattr(heap_trim, "_MALLOC_TRIM", None)
     assert heap_trim.trim_heap() is False

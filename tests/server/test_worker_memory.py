@@ -112,7 +112,12 @@ def test_spilled_values_read_back_on_threads_while_the_loop_spills(tmp_path):
     held = [k for k in data if k.startswith("k")]
     assert sorted(held) == sorted(f"k{i}" for i in range(12))
     assert data.spilled_bytes >= MiB * data.spilled_count
-    assert data.spilled_count == len(data.buffer.slow.sizes)
+    # the bookkeeping the threads share agrees with the files and the RAM side
+    slow = data.buffer.slow
+    assert data.spilled_bytes == sum(slow.sizes.values())
+    assert len(os.listdir(slow.directory)) == len(slow.sizes) == data.spilled_count
+    assert data.memory_bytes == sum(len(v) for v in data.buffer.fast.values()) + \
+        sum(len(v) for v in slow.kept.values())
     data.close()
 
 
@@ -232,11 +237,16 @@ def test_the_gate_holds_threads_whose_results_outrun_the_monitor():
     assert gate.checked(90, spilling=False, unstored=True) is False  # under it: open
     assert gate.is_open
     # past the threshold with nothing left for the loop to store: only running tasks can
-    # free that memory (task code, queued jobs' inputs), so the threads go on
-    assert gate.checked(130, spilling=False, unstored=False) is False
-    assert gate.is_open
-    gate.produced(1)  # ... one task per look while it stays past the threshold
-    assert not gate.is_open and requests == [1, 1, 1]
+    # free that memory (task code, queued jobs' inputs), so the threads go on, with a
+    # budget of small results until the next look
+    budget = ExecutionGate(100 * MiB, lambda: requests.append(2))
+    assert budget.checked(130 * MiB, spilling=False, unstored=False) is False
+    assert budget.is_open
+    for _ in range(15):
+        budget.produced(512 * 1024)
+    assert budget.is_open and 2 not in requests
+    budget.produced(512 * 1024)  # 8 MiB of them (and one more ahead): closed
+    assert not budget.is_open and requests.count(2) == 1
     released = threading.Thread(target=gate.wait, args=(lambda: False,))
     released.start()
     gate.release()  # closing: the waiting thread goes on
