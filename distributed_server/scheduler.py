@@ -573,12 +573,11 @@ class Scheduler:
             self.task_stream.record(address, finished, True)
             if self.work_stealing and len(self.state.workers) > 1:
                 ws = self.state.workers.get(address)
-                now = time.monotonic()
                 # nothing waits there: do not wait for the timer (but balance at most
                 # four times an interval: a stream of fast reports must not become a
                 # stream of balances)
                 if ws is not None and len(ws.processing) <= ws.nthreads and \
-                        now - self._last_balance >= self.stealing_interval / 4:
+                        time.monotonic() - self._last_balance >= self.stealing_interval / 4:
                     self._balance()
         if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
                                     erred):
