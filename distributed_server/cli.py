@@ -387,6 +387,23 @@ def _tune_gc_for_a_server() -> None:
     LoopCollector().start()
 
 
+#: A worker's collector thresholds: generation 0 every 10,000 net allocations (the
+#: default is 700), a full collection after 20 x 100 of those.
+WORKER_GC_THRESHOLDS = (10_000, 20, 100)
+
+
+def _tune_gc_for_a_worker() -> None:
+    """A worker holds many results made of many small objects (a DataFrame piece of a
+    shuffle is dozens), and every full collection walks all of them: with the default
+    thresholds the two workers of the two-month seed spent 5.6-7.7 s of their ~27 CPU
+    seconds in the collector, 15-20 full collections of ~170 ms each, for about 700
+    objects freed in total (measured with ``gc.callbacks``). With these thresholds they
+    spend 1.5-1.9 s. The collector stays automatic: task threads allocate too. A worker
+    whose memory passes the spill line with nothing left to spill collects at once
+    (memory.MemoryMonitor), so cyclic garbage cannot pass for results."""
+    gc.set_threshold(*WORKER_GC_THRESHOLDS)
+
+
 async def _serve_until_signal(server) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -451,6 +468,7 @@ async def _run_worker(args) -> int:
     from .worker import Worker
 
     preloads = args.preloads
+    _tune_gc_for_a_worker()
     GC_PAUSES.install()
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,
                     resources=args.resources or None, host=args.host, port=args.port,

@@ -27,6 +27,7 @@ full or failing, keeps the value in RAM (counted, and logged once per minute).
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -68,6 +69,9 @@ GATE_READS_RSS_BYTES = 1 << 20
 GATE_BUDGET_BYTES = 8 << 20
 #: After a disk error, seconds during which no spill is tried (values stay in RAM).
 DISK_RETRY_SECONDS = 30.0
+#: Seconds between two garbage collections the monitor runs because memory is past the
+#: spill line with no result left in RAM to spill (a worker collects rarely by itself).
+COLLECT_EVERY_SECONDS = 5.0
 _LOG_EVERY = 60.0
 _MISSING = object()
 ON_DISK = object()
@@ -358,6 +362,9 @@ class MemoryMonitor:
         #: The last reading less what the check then moved to disk.
         self.estimate = 0
         self._last_spill_log = -_LOG_EVERY
+        self._last_collect = -COLLECT_EVERY_SECONDS
+        #: Collections run because nothing was left to spill.
+        self.collections = 0
 
     def check(self) -> bool | None:
         """Read memory, spill if past ``spill``; True to pause, False to resume, None if
@@ -368,6 +375,8 @@ class MemoryMonitor:
             self.buffer.fit_process_memory(memory)
         if self.spill and self.buffer is not None and memory > self.spill * self.limit:
             self.estimate = max(memory - self._spill(memory), 0)
+            if not self.buffer.buffer.fast:
+                self._collect_garbage()
         if not self.pause:
             return None
         over = memory > self.pause * self.limit
@@ -375,6 +384,17 @@ class MemoryMonitor:
             self.paused = over
             return over
         return None
+
+    def _collect_garbage(self) -> None:
+        """Memory is past the spill line and no result is left in RAM: what holds it may
+        be cyclic garbage the worker's rare automatic collections have not reached yet.
+        A full collection, at most once per `COLLECT_EVERY_SECONDS`."""
+        now = time.monotonic()
+        if now - self._last_collect < COLLECT_EVERY_SECONDS:
+            return
+        self._last_collect = now
+        self.collections += 1
+        gc.collect()
 
     def _spill(self, memory: int) -> int:
         """Spill the least recently used results until about ``memory - target × limit``

@@ -95,3 +95,14 @@ def test_the_loop_collector_collects_between_callbacks_by_the_thresholds():
         assert gc.isenabled()
 
     asyncio.run(main())
+
+
+def test_worker_processes_collect_by_the_worker_thresholds(client):
+    """A worker process holds many small objects (its results); it collects by
+    WORKER_GC_THRESHOLDS, not by the default (700, 10, 10)."""
+    from distributed_server.cli import WORKER_GC_THRESHOLDS
+
+    thresholds = client.run(gc.get_threshold)
+    assert len(thresholds) == 2
+    assert all(tuple(t) == WORKER_GC_THRESHOLDS for t in thresholds.values())
+    assert gc.get_threshold() != WORKER_GC_THRESHOLDS  # the client's process is the user's

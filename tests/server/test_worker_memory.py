@@ -194,6 +194,43 @@ def test_the_monitor_spills_past_spill_and_pauses_past_pause_then_resumes(tmp_pa
     assert monitor.check() is False and not monitor.paused
 
 
+class Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_the_monitor_collects_garbage_when_nothing_is_left_to_spill(tmp_path):
+    import gc
+    import weakref
+
+    data = buffer(target=100 * MiB, directory=str(tmp_path))
+    data["a"] = b"a" * MiB
+    readings = [75 * MiB]  # past the spill line (70 %)
+    monitor = MemoryMonitor(100 * MiB, data, 0.6, 0.7, 0.8, rss=lambda: readings[-1])
+    gc.disable()
+    try:
+        garbage = Cycle()
+        freed = weakref.ref(garbage)
+        del garbage
+        assert monitor.check() is None
+        assert data.spilled_count == 1 and monitor.collections == 1  # spilled, then collected
+        assert freed() is None
+        monitor.check()
+        assert monitor.collections == 1  # at most once per COLLECT_EVERY_SECONDS
+        monitor._last_collect -= 60
+        readings.append(50 * MiB)  # under the spill line: nothing to do
+        monitor.check()
+        assert monitor.collections == 1
+        data["b"] = b"b" * MiB
+        readings.append(75 * MiB)
+        monitor.check()
+        assert monitor.collections == 2
+    finally:
+        gc.enable()
+
+
 def test_the_buffer_keeps_in_ram_only_what_the_process_has_room_for(tmp_path):
     """What the process holds besides results (here 6 MiB) comes off the buffer's target
     at each reading, so process memory settles at the target instead of above it."""
