@@ -177,17 +177,23 @@ class GraphSender:
             refusals = client._refusals
             acks: collections.deque = collections.deque()  # (reply, sent at, tasks)
             part = _encode(plan)
-            while True:
-                while len(acks) >= SLICES_IN_FLIGHT:
+
+            async def taken_in(room: int) -> None:
+                """Wait until at most ``room`` slices are unanswered; raise if the
+                scheduler refused any slice answered by then."""
+                while len(acks) > room:
                     ack, sent_at, n_sent = acks.popleft()
                     await ack
                     taken = time.monotonic() - sent_at
                     logger.debug("graph slice of %d tasks taken in by the scheduler "
                                  "in %.1f ms", n_sent, 1e3 * taken)
                     plan.adapt(n_sent, taken / SLICES_IN_FLIGHT)
-                    if client._refusals != refusals:
-                        raise GraphRefusedError("the scheduler refused part of the "
-                                                "graph; the rest was not sent")
+                if client._refusals != refusals:
+                    raise GraphRefusedError("the scheduler refused part of the graph; "
+                                            "the rest was not sent or was released")
+
+            while True:
+                await taken_in(SLICES_IN_FLIGHT - 1)
                 client._check_running()
                 conn.send_now({"op": "update-graph", "tasks": part.tasks, "keys": part.keys})
                 sent_at, n_sent = time.monotonic(), len(part.tasks)
@@ -201,6 +207,9 @@ class GraphSender:
                     break
                 acks.append((conn.ping(), sent_at, n_sent))
                 part = _encode(plan)  # while the scheduler takes it in
+            if n_tasks_sent > n_sent:  # more than one slice: any refused one fails all
+                acks.append((conn.ping(), sent_at, n_sent))
+                await taken_in(0)
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else SchedulerConnectionError(
                 f"sending the graph was interrupted: {exc!r}")

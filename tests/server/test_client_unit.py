@@ -82,6 +82,8 @@ class ScriptedScheduler:
 
     def __init__(self, compute: bool = True) -> None:
         self.compute = compute
+        self.graphs = 0  # update-graph messages received
+        self.refuse_graph = 0  # the number of the update-graph to refuse (0: none)
         self.msgs: list[dict] = []
         self.peer_msgs: list[dict] = []
         self.values: dict = {}
@@ -157,6 +159,11 @@ class ScriptedScheduler:
             pass
 
     def _on_update_graph(self, comm, msg) -> None:
+        self.graphs += 1
+        if self.graphs == self.refuse_graph:  # as the scheduler refuses a bad message
+            comm.send({"op": "graph-refused", "error": "refused by the test",
+                       "keys": list(msg["keys"])})
+            return
         if self.compute:
             wanted = set(msg["keys"])
             for task in msg["tasks"]:
@@ -519,6 +526,29 @@ def test_get_converts_a_legacy_graph(scheduler, client):
     assert client.get(graph, "y") == 2
     with pytest.raises(KeyError):
         client.get(graph, "nope")
+
+
+@pytest.mark.parametrize("refused", ["second to last", "last"])
+def test_a_refused_late_slice_fails_the_whole_graph_and_releases_what_went(
+        manual, mclient, monkeypatch, refused):
+    """A graph goes in slices, at most two unanswered; the scheduler refuses one of the
+    last two. The graph is all or nothing: get raises GraphRefusedError, and every key
+    that went in an accepted slice is released."""
+    from distributed_server import dask_support
+
+    monkeypatch.setattr(dask_support, "SLICE_TASKS", 20)
+    graph: dict = {("x", i): (inc, i) for i in range(100)}
+    graph["total"] = (add, *[("x", i) for i in range(100)])
+    n_slices = 6  # 101 tasks, 20 a slice
+    manual.refuse_graph = n_slices - 1 if refused == "second to last" else n_slices
+    with pytest.raises(GraphRefusedError, match="refused part of the graph"):
+        mclient.get(graph, "total")
+    graphs = manual.sent("update-graph")
+    assert len(graphs) == n_slices
+    accepted = [m for i, m in enumerate(graphs, 1) if i != manual.refuse_graph]
+    wanted = {key for m in accepted for key in m["keys"]}
+    assert len(wanted) >= 80  # the frontier of each slice, until its last dependent went
+    until(lambda: wanted <= {k for m in manual.sent("release-keys") for k in m["keys"]})
 
 
 # ---------------------------------------------------------------- errors
