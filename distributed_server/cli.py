@@ -396,9 +396,9 @@ def _tune_gc_for_a_worker() -> None:
     """A worker holds many results made of many small objects (a DataFrame piece of a
     shuffle is dozens), and every full collection walks all of them: with the default
     thresholds the two workers of the two-month seed spent 5.6-7.7 s of their ~27 CPU
-    seconds in the collector, 15-20 full collections of ~170 ms each, for about 700
-    objects freed in total (measured with ``gc.callbacks``). With these thresholds they
-    spend 1.5-1.9 s. The collector stays automatic: task threads allocate too. A worker
+    seconds in the collector, 14-20 full collections of 120-200 ms each, which freed a
+    few hundred objects at most (measured with ``gc.callbacks``,
+    benchmarks/seed_cpu.py). With these thresholds they spend 1.5-1.7 s. The collector stays automatic: task threads allocate too. A worker
     whose memory passes the spill line with nothing left to spill collects at once
     (memory.MemoryMonitor), so cyclic garbage cannot pass for results."""
     gc.set_threshold(*WORKER_GC_THRESHOLDS)
