@@ -30,13 +30,15 @@ logger = logging.getLogger("distributed_server.gc")
 
 class GCPauses:
     """Collection pauses by generation: ``count[g]``, ``total[g]`` (seconds), ``longest[g]``
-    (seconds), and ``recent_longest`` (the longest since `take_recent_longest`)."""
+    (seconds), ``collected[g]`` (objects freed), and ``recent_longest`` (the longest
+    since `take_recent_longest`)."""
 
     def __init__(self, warn_seconds: float = 1.0) -> None:
         self.warn_seconds = warn_seconds
         self.count = [0, 0, 0]
         self.total = [0.0, 0.0, 0.0]
         self.longest = [0.0, 0.0, 0.0]
+        self.collected = [0, 0, 0]
         self.recent_longest = 0.0
         self._started = 0.0
         self._installed = False
@@ -71,6 +73,7 @@ class GCPauses:
         generation = info["generation"]
         self.count[generation] += 1
         self.total[generation] += pause
+        self.collected[generation] += info.get("collected", 0)
         if pause > self.longest[generation]:
             self.longest[generation] = pause
         if pause > self.recent_longest:

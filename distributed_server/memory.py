@@ -496,9 +496,9 @@ class ExecutionGate:
             self._base = estimate
             self._open.clear()
         else:
-            # at or past the threshold anyway: small results get a budget until the next
-            # look instead of one look per task (a large one reads the memory and closes
-            # the gate again, as it should: it has to spill)
+            # near or past the threshold: small results get at least a budget until the
+            # next look instead of one look per task (a large one reads the memory and
+            # closes the gate again, as it should: it has to spill)
             self._base = min(estimate, self.threshold - self._budget)
             self._open.set()
         return hold

@@ -22,6 +22,12 @@ def test_collections_are_timed_by_generation_until_uninstalled():
         gc.collect(0)
         gc.collect(2)
         assert pauses.count[0] >= 1 and pauses.count[2] >= 1
+        freed = sum(pauses.collected)
+        cycle: list = []
+        cycle.append(cycle)
+        del cycle
+        gc.collect(2)
+        assert sum(pauses.collected) >= freed + 1  # the list in a cycle with itself
         assert pauses.total[2] > 0 and pauses.longest[2] <= pauses.total[2]
         assert pauses.take_recent_longest() >= pauses.longest[2]
         assert pauses.take_recent_longest() == 0.0
