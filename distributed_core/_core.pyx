@@ -89,6 +89,10 @@ _DURATIONS_KEPT = 10_000  # learned durations of dropped prefixes remembered at 
 # held, if that was at least _SHRINK_MIN entries.
 _SHRINK_FACTOR = 8
 _SHRINK_MIN = 4096
+#: The most queued tasks a worker takes off the heap at once (SchedulerState._pop_queued):
+#: long enough that a run rarely splits a group of tasks whose results meet, short
+#: enough to keep the order of what runs close to the priority order.
+_RUN_MAX = 128
 _DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
 _INT64_MIN = -2 ** 63
 _INT64_MAX = 2 ** 63 - 1
@@ -229,6 +233,9 @@ class WorkerState:
     long_running: Optional[set]  # seceded tasks: each adds a slot while it waits
     # key -> TaskState it was asked to copy here (acquire-replicas), not answered yet
     acquiring: Optional[dict]
+    # queued tasks taken off the queue's heap for it to run next, most urgent last (a
+    # run: see SchedulerState._pop_queued); they stay queued until it has room
+    queue_run: Optional[list]
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -249,6 +256,7 @@ class WorkerState:
         self.addresses = [address]
         self.long_running = None
         self.acquiring = None
+        self.queue_run = None
 
     def __repr__(self):
         return (f"<WorkerState {self.address!r} processing={len(self.processing)} "
@@ -792,6 +800,8 @@ class SchedulerState:
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
+    _picked_task: TaskState  # _pop_queued chose it for _picked_worker; taken next
+    _picked_worker: WorkerState
     _recs: dict
     _client_msgs: dict
     _worker_msgs: dict
@@ -856,6 +866,8 @@ class SchedulerState:
         self._tasks_peak = 0
         self.generation = 0
         self.queue_seq = 0
+        self._picked_task = None
+        self._picked_worker = None
         self._recs = {}
         self._client_msgs = {}
         self._worker_msgs = {}
@@ -884,6 +896,7 @@ class SchedulerState:
             ts.who_wants = None
             ts.who_has = None
             ts.processing_on = None
+        self._picked_task = None
         self.queued = []
         self.unrunnable = {}
         self._steals = {}
@@ -971,6 +984,7 @@ class SchedulerState:
         self.idle.pop(address, None)
         self.total_nthreads -= ws.nthreads
         ws.status = WORKER_CLOSED
+        self._return_run(ws)
         if self._steals:
             self._thief_gone(ws)
         ts: TaskState
@@ -1542,6 +1556,7 @@ class SchedulerState:
         self._begin(stimulus_id)
         ws.status = WORKER_RETIRING
         self.idle.pop(worker, None)
+        self._return_run(ws)
         return self._end()
 
     def unretire_worker(self, worker, stimulus_id) -> tuple:
@@ -2289,10 +2304,16 @@ class SchedulerState:
 
     @cython.cfunc
     def _transition_queued_processing(self, ts: TaskState) -> None:
-        ws: WorkerState = self._decide_worker(ts)
-        if ws is None:
-            self._push_queued(ts)  # popped for a slot that is taken by now
-            return
+        ws: WorkerState
+        if ts is self._picked_task:
+            ws = self._picked_worker
+            self._picked_task = None
+            self._picked_worker = None
+        else:
+            ws = self._decide_worker(ts)
+            if ws is None:
+                self._push_queued(ts)  # popped for a slot that is taken by now
+                return
         self.n_queued -= 1
         self._assign(ts, ws)
 
@@ -2358,7 +2379,10 @@ class SchedulerState:
     @cython.cfunc
     def _transition_queued_released(self, ts: TaskState) -> None:
         self.n_queued -= 1
-        if len(self.queued) > 2 * self.n_queued + 64:
+        if ts is self._picked_task:
+            self._picked_task = None
+            self._picked_worker = None
+        if len(self.queued) > 2 * self.n_queued + 64 or self.n_queued == 0:
             self._compact_queue()
         self._deactivate(ts)
 
@@ -2871,21 +2895,131 @@ class SchedulerState:
 
     @cython.cfunc
     def _pop_queued(self) -> cython.bint:
-        """Recommend the most urgent queued task for processing; False if none is left."""
+        """Recommend a queued task for the least busy worker with room; False if none.
+
+        Workers take queued tasks in runs: a batch of consecutive ones off the heap, most
+        urgent first, which the worker works through before it takes more. Tasks next to
+        each other in priority order are mostly the inputs of one later task (a
+        shuffle's group, a reduction's branch): run on one worker, their results need not
+        travel. A task in the heap more urgent than the run's next goes first; a worker
+        with room when the heap is empty takes the less urgent half of the longest run."""
+        ws: WorkerState
         ts: TaskState
         if self.n_queued == 0:
             return False
+        ws = self._least_busy_idle()
+        if ws is None:
+            return False
+        ts = self._next_queued_for(ws)
+        if ts is None:
+            return False
+        self._picked_task = ts
+        self._picked_worker = ws
+        self._recs[ts] = _S_PROCESSING
+        return True
+
+    @cython.cfunc
+    def _least_busy_idle(self) -> WorkerState:
+        ws: WorkerState
+        best: WorkerState = None
+        best_load: cython.double = 0.0
+        for ws in self.idle.values():
+            load: cython.double = (len(ws.processing) + ws.occupancy) / ws.nthreads
+            if best is None or load < best_load:
+                best, best_load = ws, load
+        return best
+
+    @cython.cfunc
+    def _next_queued_for(self, ws: WorkerState) -> TaskState:
+        """The queued task ``ws`` runs next: its run's, the heap's if more urgent, the
+        first of a new run off the heap, or one of another worker's run; None if none."""
+        ts: TaskState
+        head: TaskState
+        while True:
+            run: list = ws.queue_run
+            while run and not self._takeable(run[-1]):
+                run.pop()
+            head = self._queue_head()
+            if run:
+                ts = run[-1]
+                if head is None or _urgency_cmp(head, ts) >= 0:
+                    run.pop()
+                    if not run:
+                        ws.queue_run = None
+                    return ts
+                heapq.heappop(self.queued)
+                return head
+            ws.queue_run = None
+            if head is not None:
+                ws.queue_run = self._run_off_heap()
+            elif not self._steal_run(ws):
+                return None
+
+    @cython.cfunc
+    def _takeable(self, ts: TaskState) -> cython.bint:
+        return ts.state_id == _S_QUEUED and ts not in self._recs
+
+    @cython.cfunc
+    def _queue_head(self) -> TaskState:
+        """The heap's most urgent queued task, left in the heap; None if none."""
+        ts: TaskState
         while self.queued:
+            ts = self.queued[0][4]
+            if self._takeable(ts):
+                return ts
+            heapq.heappop(self.queued)
+        return None
+
+    @cython.cfunc
+    def _run_off_heap(self) -> list:
+        """Take the next run off the heap: a share of what it holds, at most
+        _RUN_MAX tasks, most urgent last."""
+        ts: TaskState
+        n: cython.Py_ssize_t = len(self.queued) // (2 * max(self.total_nthreads, 1))
+        n = max(1, min(n, _RUN_MAX))
+        run = []
+        while self.queued and len(run) < n:
             ts = heapq.heappop(self.queued)[4]
-            if ts.state_id == _S_QUEUED and ts not in self._recs:
-                self._recs[ts] = _S_PROCESSING
-                return True
-        return False
+            if self._takeable(ts):
+                run.append(ts)
+        run.reverse()
+        return run
+
+    @cython.cfunc
+    def _steal_run(self, thief: WorkerState) -> cython.bint:
+        """Give ``thief`` the less urgent half of the longest run of another worker."""
+        ws: WorkerState
+        victim: WorkerState = None
+        for ws in self.workers.values():
+            if ws.queue_run is not None and ws is not thief and (
+                    victim is None or len(ws.queue_run) > len(victim.queue_run)):
+                victim = ws
+        if victim is None:
+            return False
+        half: cython.Py_ssize_t = (len(victim.queue_run) + 1) // 2
+        thief.queue_run = victim.queue_run[:half]
+        del victim.queue_run[:half]
+        if not victim.queue_run:
+            victim.queue_run = None
+        return True
+
+    @cython.cfunc
+    def _return_run(self, ws: WorkerState) -> None:
+        """Put the tasks of ``ws``'s run back in the heap (it takes no more tasks)."""
+        ts: TaskState
+        if ws.queue_run is None:
+            return
+        for ts in ws.queue_run:
+            if ts.state_id == _S_QUEUED:
+                self._push_queued(ts)
+        ws.queue_run = None
 
     @cython.cfunc
     def _compact_queue(self) -> None:
-        """Drop heap entries of tasks that left the queue."""
+        """Drop heap and run entries of tasks that left the queue (all runs when the
+        queue is empty: they would keep forgotten tasks alive)."""
         ts: TaskState
+        ws: WorkerState
         seen = set()
         entries = []
         for entry in self.queued:
@@ -2895,6 +3029,9 @@ class SchedulerState:
                 entries.append(entry)
         heapq.heapify(entries)
         self.queued = entries
+        for ws in self.workers.values():
+            if ws.queue_run is not None:
+                ws.queue_run = [ts for ts in ws.queue_run if ts.state_id == _S_QUEUED] or None
 
     # ------------------------------------------------------------------ graph intake
 
@@ -3023,8 +3160,14 @@ class SchedulerState:
             if ts.state_id == _S_QUEUED:
                 n_queued += 1
         _check(n_queued == self.n_queued, f"{self.n_queued} counted queued, {n_queued} are")
-        queued_in_heap = {entry[4] for entry in self.queued if entry[4].state_id == _S_QUEUED}
-        _check(len(queued_in_heap) == n_queued, "a queued task is missing from the queue")
+        in_queue = {entry[4] for entry in self.queued if entry[4].state_id == _S_QUEUED}
+        for ws in self.workers.values():
+            if ws.queue_run is not None:
+                _check(ws.status == WORKER_RUNNING and len(ws.queue_run) > 0,
+                       f"{ws} ({ws.status}) has a run of {len(ws.queue_run)} queued tasks")
+                in_queue.update(ts for ts in ws.queue_run if ts.state_id == _S_QUEUED)
+        _check(len(in_queue) == n_queued, "a queued task is missing from the queue")
+        _check(self._picked_task is None, f"{self._picked_task} was picked and not taken")
         if n_queued:
             _check(not self.idle, f"tasks are queued while workers are idle: {self.idle}")
         for ts in self.unrunnable:
@@ -3249,6 +3392,18 @@ def _some(keys: list) -> str:
 
 def _priority_of(ts: TaskState) -> tuple:
     return (ts.priority_user, ts.generation, ts.order)
+
+
+@cython.cfunc
+def _urgency_cmp(a: TaskState, b: TaskState) -> cython.int:
+    """Negative if ``a`` runs before ``b``, positive if after, 0 for the same priority."""
+    if a.priority_user != b.priority_user:
+        return -1 if a.priority_user < b.priority_user else 1
+    if a.generation != b.generation:
+        return -1 if a.generation < b.generation else 1
+    if a.order != b.order:
+        return -1 if a.order < b.order else 1
+    return 0
 
 
 def _check(condition, message) -> None:

@@ -122,7 +122,9 @@ def snapshot(state) -> dict:
                               _keys(ws.processing), _keys(ws.has_what), ws.nbytes,
                               ws.occupancy,
                               None if ws.acquiring is None else
-                              {key: id(ts) for key, ts in ws.acquiring.items()})
+                              {key: id(ts) for key, ts in ws.acquiring.items()},
+                              None if ws.queue_run is None else
+                              [ts.key for ts in ws.queue_run])
                     for address, ws in state.workers.items()},
         "departing": {address: (_keys(ws.has_what), ws.nbytes)
                       for address, ws in state.departing.items()},

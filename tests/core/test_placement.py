@@ -180,6 +180,90 @@ def test_root_tasks_wait_in_the_queue_for_a_worker_to_join():
     assert sim.state.n_queued == 1
 
 
+def drain_in_turns(sim: Sim) -> dict:
+    """Finish tasks until none is left, the workers in turn, each finishing one task at a
+    time. Returns each worker's keys in the order it ran them."""
+    ran: dict = {address: [] for address in sim.computing}
+    while any(sim.computing.values()):
+        for address, computing in sim.computing.items():
+            for key in list(computing):
+                sim.finish(key, worker=address)
+                ran[address].append(key)
+    return ran
+
+
+def test_workers_take_queued_tasks_in_runs_of_consecutive_priorities():
+    # Neighbours in priority order are mostly the inputs of one later task (a shuffle's
+    # group): one worker runs them, so their results need not travel.
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 1)
+    sim.add_worker("B", 1)
+    keys = [f"r{i:03d}" for i in range(400)]
+    sim.submit([task(key) for key in keys], keys)
+    ran = drain_in_turns(sim)
+    assert sorted(ran["A"] + ran["B"]) == keys
+    where = {key: address for address, done in ran.items() for key in done}
+    switches = sum(where[a] != where[b] for a, b in zip(keys, keys[1:]))
+    assert switches <= 30  # 17 now; handed one by one as the workers free up: 399
+    assert abs(len(ran["A"]) - len(ran["B"])) <= 2
+
+
+def test_a_more_urgent_queued_task_goes_before_the_rest_of_a_run():
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 1)
+    keys = [f"r{i:02d}" for i in range(40)]
+    sim.submit([task(key) for key in keys], keys)
+    sim.finish("r00")
+    assert sim.where("r01") == "A" and sim.state.workers["A"].queue_run
+    sim.submit([task("urgent", priority=1)], ["urgent"])
+    _, worker_msgs = sim.finish("r01")
+    assert computed(worker_msgs) == {"urgent": "A"}
+    _, worker_msgs = sim.finish("urgent")
+    assert computed(worker_msgs) == {"r02": "A"}  # back to its run
+
+
+def test_a_worker_with_nothing_left_takes_the_less_urgent_half_of_a_longer_run():
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 1)
+    sim.add_worker("B", 1)
+    keys = [f"r{i:03d}" for i in range(200)]
+    sim.submit([task(key) for key in keys], keys)
+    stolen = set()
+    for round_number in range(1000):
+        if not any(sim.computing.values()):
+            break
+        run_of_a = {ts.key for ts in sim.state.workers["A"].queue_run or ()}
+        for key in list(sim.computing["B"]):  # B is fast, A finishes one in 8 rounds
+            _, worker_msgs = sim.finish(key, worker="B")
+            stolen |= run_of_a & {k for k, w in computed(worker_msgs).items() if w == "B"}
+        if round_number % 8 == 0:
+            for key in list(sim.computing["A"]):
+                sim.finish(key, worker="A")
+    assert sim.state.n_queued == 0 and not any(sim.computing.values())
+    assert stolen
+    assert sim.state.workers["A"].queue_run is None
+
+
+@pytest.mark.parametrize("leaves", ["retired", "removed"])
+def test_a_run_goes_back_to_the_queue_when_its_worker_stops_taking_tasks(leaves):
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 1)
+    sim.add_worker("B", 1)
+    keys = [f"r{i:02d}" for i in range(60)]
+    sim.submit([task(key) for key in keys], keys)
+    sim.finish(sim.computing["A"].popitem()[0], worker="A")
+    run = [ts.key for ts in sim.state.workers["A"].queue_run]
+    assert run
+    if leaves == "retired":
+        sim.record(sim.state.retire_worker("A", "retire"))
+    else:
+        sim.remove_worker("A")
+    assert states(sim.state)[run[0]] == "queued"
+    sim.run_all()
+    assert all(ts.state == "memory" for ts in sim.state.tasks.values())
+    assert set(run) <= sim.data["B"]
+
+
 def test_tasks_with_dependencies_are_not_queued():
     sim = Sim(worker_saturation=1.0)
     sim.add_worker("A", 1)
