@@ -92,7 +92,7 @@ _SHRINK_MIN = 4096
 #: The most queued tasks a worker takes off the heap at once (SchedulerState._pop_queued):
 #: long enough that a run rarely splits a group of tasks whose results meet, short
 #: enough to keep the order of what runs close to the priority order.
-_RUN_MAX = 128
+_RUN_MAX = 256
 _DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
 _INT64_MIN = -2 ** 63
 _INT64_MAX = 2 ** 63 - 1
@@ -2972,10 +2972,10 @@ class SchedulerState:
 
     @cython.cfunc
     def _run_off_heap(self) -> list:
-        """Take the next run off the heap: a share of what it holds, at most
+        """Take the next run off the heap: one thread's share of what it holds, at most
         _RUN_MAX tasks, most urgent last."""
         ts: TaskState
-        n: cython.Py_ssize_t = len(self.queued) // (2 * max(self.total_nthreads, 1))
+        n: cython.Py_ssize_t = len(self.queued) // max(self.total_nthreads, 1)
         n = max(1, min(n, _RUN_MAX))
         run = []
         while self.queued and len(run) < n:
