@@ -180,6 +180,17 @@ def test_root_tasks_wait_in_the_queue_for_a_worker_to_join():
     assert sim.state.n_queued == 1
 
 
+def queued_roots(n: int, workers=("A", "B")) -> tuple:
+    """A Sim whose workers (one thread each) were sent the first ``n`` root tasks, in
+    priority order; the rest wait in the queue. Returns it and the keys."""
+    sim = Sim(worker_saturation=1.0)
+    for address in workers:
+        sim.add_worker(address, 1)
+    keys = [f"r{i:03d}" for i in range(n)]
+    sim.submit([task(key) for key in keys], keys)
+    return sim, keys
+
+
 def drain_in_turns(sim: Sim) -> dict:
     """Finish tasks until none is left, the workers in turn, each finishing one task at a
     time. Returns each worker's keys in the order it ran them."""
@@ -195,11 +206,7 @@ def drain_in_turns(sim: Sim) -> dict:
 def test_workers_take_queued_tasks_in_runs_of_consecutive_priorities():
     # Neighbours in priority order are mostly the inputs of one later task (a shuffle's
     # group): one worker runs them, so their results need not travel.
-    sim = Sim(worker_saturation=1.0)
-    sim.add_worker("A", 1)
-    sim.add_worker("B", 1)
-    keys = [f"r{i:03d}" for i in range(400)]
-    sim.submit([task(key) for key in keys], keys)
+    sim, keys = queued_roots(400)
     ran = drain_in_turns(sim)
     assert sorted(ran["A"] + ran["B"]) == keys
     where = {key: address for address, done in ran.items() for key in done}
@@ -209,25 +216,18 @@ def test_workers_take_queued_tasks_in_runs_of_consecutive_priorities():
 
 
 def test_a_more_urgent_queued_task_goes_before_the_rest_of_a_run():
-    sim = Sim(worker_saturation=1.0)
-    sim.add_worker("A", 1)
-    keys = [f"r{i:02d}" for i in range(40)]
-    sim.submit([task(key) for key in keys], keys)
-    sim.finish("r00")
-    assert sim.where("r01") == "A" and sim.state.workers["A"].queue_run
+    sim, _ = queued_roots(40, workers=["A"])
+    sim.finish("r000")
+    assert sim.where("r001") == "A" and sim.state.workers["A"].queue_run
     sim.submit([task("urgent", priority=1)], ["urgent"])
-    _, worker_msgs = sim.finish("r01")
+    _, worker_msgs = sim.finish("r001")
     assert computed(worker_msgs) == {"urgent": "A"}
     _, worker_msgs = sim.finish("urgent")
-    assert computed(worker_msgs) == {"r02": "A"}  # back to its run
+    assert computed(worker_msgs) == {"r002": "A"}  # back to its run
 
 
 def test_a_worker_with_nothing_left_takes_the_less_urgent_half_of_a_longer_run():
-    sim = Sim(worker_saturation=1.0)
-    sim.add_worker("A", 1)
-    sim.add_worker("B", 1)
-    keys = [f"r{i:03d}" for i in range(200)]
-    sim.submit([task(key) for key in keys], keys)
+    sim, _ = queued_roots(200)
     stolen = set()
     for round_number in range(1000):
         if not any(sim.computing.values()):
@@ -246,11 +246,7 @@ def test_a_worker_with_nothing_left_takes_the_less_urgent_half_of_a_longer_run()
 
 @pytest.mark.parametrize("leaves", ["retired", "removed"])
 def test_a_run_goes_back_to_the_queue_when_its_worker_stops_taking_tasks(leaves):
-    sim = Sim(worker_saturation=1.0)
-    sim.add_worker("A", 1)
-    sim.add_worker("B", 1)
-    keys = [f"r{i:02d}" for i in range(60)]
-    sim.submit([task(key) for key in keys], keys)
+    sim, _ = queued_roots(60)
     sim.finish(sim.computing["A"].popitem()[0], worker="A")
     run = [ts.key for ts in sim.state.workers["A"].queue_run]
     assert run
