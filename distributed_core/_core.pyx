@@ -93,6 +93,9 @@ _SHRINK_MIN = 4096
 #: long enough that a run rarely splits a group of tasks whose results meet, short
 #: enough to keep the order of what runs close to the priority order.
 _RUN_MAX = 256
+#: A run whose worker took none of it while the others took this many queued tasks per
+#: thread is stuck (a long task): workers done with their runs take from it first.
+_RUN_STUCK_PICKS = 4
 _DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
 _INT64_MIN = -2 ** 63
 _INT64_MAX = 2 ** 63 - 1
@@ -236,6 +239,7 @@ class WorkerState:
     # queued tasks taken off the queue's heap for it to run next, most urgent last (a
     # run: see SchedulerState._pop_queued); they stay queued until it has room
     queue_run: Optional[list]
+    queue_picks: cython.Py_ssize_t  # SchedulerState.queue_picks when it last took one
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -257,6 +261,7 @@ class WorkerState:
         self.long_running = None
         self.acquiring = None
         self.queue_run = None
+        self.queue_picks = 0
 
     def __repr__(self):
         return (f"<WorkerState {self.address!r} processing={len(self.processing)} "
@@ -800,6 +805,7 @@ class SchedulerState:
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
+    queue_picks: cython.Py_ssize_t  # queued tasks taken for workers, ever
     _picked_task: TaskState  # _pop_queued chose it for _picked_worker; taken next
     _picked_worker: WorkerState
     _recs: dict
@@ -866,6 +872,7 @@ class SchedulerState:
         self._tasks_peak = 0
         self.generation = 0
         self.queue_seq = 0
+        self.queue_picks = 0
         self._picked_task = None
         self._picked_worker = None
         self._recs = {}
@@ -2092,7 +2099,7 @@ class SchedulerState:
                 if n > limit:
                     self._runaway(ts, finish, limit)
                 self._transition(ts, finish)
-            # Workers with room take queued tasks, most urgent first, until saturated.
+            # Workers with room take queued tasks (in runs: _pop_queued) until saturated.
             if not (self.n_queued > 0 and self.idle and self._pop_queued()):
                 break
         if n >= _SHRINK_MIN:
@@ -2382,7 +2389,9 @@ class SchedulerState:
         if ts is self._picked_task:
             self._picked_task = None
             self._picked_worker = None
-        if len(self.queued) > 2 * self.n_queued + 64 or self.n_queued == 0:
+        if self.n_queued == 0:
+            self._drop_queue()  # what is left in the heap and the runs left the queue
+        elif len(self.queued) > 2 * self.n_queued + 64:
             self._compact_queue()
         self._deactivate(ts)
 
@@ -2901,8 +2910,11 @@ class SchedulerState:
         urgent first, which the worker works through before it takes more. Tasks next to
         each other in priority order are mostly the inputs of one later task (a
         shuffle's group, a reduction's branch): run on one worker, their results need not
-        travel. A task in the heap more urgent than the run's next goes first; a worker
-        with room when the heap is empty takes the less urgent half of the longest run."""
+        travel. A task in the heap more urgent than the run's next goes first. A worker
+        done with its run takes a new one off the heap, or the more urgent half of
+        another's: of the run with the most urgent next task when the heap is empty, or
+        when a stuck run (its worker busy with a long task, _RUN_STUCK_PICKS) has a task
+        more urgent than the heap's, which must not wait for that worker."""
         ws: WorkerState
         ts: TaskState
         if self.n_queued == 0:
@@ -2915,6 +2927,8 @@ class SchedulerState:
             return False
         self._picked_task = ts
         self._picked_worker = ws
+        self.queue_picks += 1
+        ws.queue_picks = self.queue_picks
         self._recs[ts] = _S_PROCESSING
         return True
 
@@ -2932,28 +2946,47 @@ class SchedulerState:
     @cython.cfunc
     def _next_queued_for(self, ws: WorkerState) -> TaskState:
         """The queued task ``ws`` runs next: its run's, the heap's if more urgent, the
-        first of a new run off the heap, or one of another worker's run; None if none."""
+        first of half of another worker's run or of a new run off the heap, whichever is
+        more urgent; None if none is left."""
         ts: TaskState
         head: TaskState
+        victim: WorkerState
         while True:
-            run: list = ws.queue_run
-            while run and not self._takeable(run[-1]):
-                run.pop()
-            head = self._queue_head()
-            if run:
-                ts = run[-1]
+            if self._next_in_run(ws) is not None:
+                ts = ws.queue_run[-1]
+                head = self._queue_head()
                 if head is None or _urgency_cmp(head, ts) >= 0:
-                    run.pop()
-                    if not run:
+                    ws.queue_run.pop()
+                    if not ws.queue_run:
                         ws.queue_run = None
                     return ts
                 heapq.heappop(self.queued)
                 return head
-            ws.queue_run = None
-            if head is not None:
+            head = self._queue_head()
+            victim = self._most_urgent_run(ws, head is not None)
+            if victim is not None and (
+                    head is None or _urgency_cmp(victim.queue_run[-1], head) < 0):
+                self._steal_run(ws, victim)
+            elif head is not None:
                 ws.queue_run = self._run_off_heap()
-            elif not self._steal_run(ws):
+            else:
                 return None
+
+    @cython.cfunc
+    def _next_in_run(self, ws: WorkerState) -> TaskState:
+        """The next task of ``ws``'s run, dropping those that left the queue; None (and no
+        run) if none is left."""
+        ts: TaskState
+        run: list = ws.queue_run
+        if run is None:
+            return None
+        while run:
+            ts = run[-1]
+            if self._takeable(ts):
+                return ts
+            run.pop()
+        ws.queue_run = None
+        return None
 
     @cython.cfunc
     def _takeable(self, ts: TaskState) -> cython.bint:
@@ -2986,22 +3019,35 @@ class SchedulerState:
         return run
 
     @cython.cfunc
-    def _steal_run(self, thief: WorkerState) -> cython.bint:
-        """Give ``thief`` the less urgent half of the longest run of another worker."""
+    def _most_urgent_run(self, thief: WorkerState, stuck_only: cython.bint) -> WorkerState:
+        """The worker other than ``thief`` whose run's next task is the most urgent (of
+        the stuck runs only, if ``stuck_only``)."""
         ws: WorkerState
-        victim: WorkerState = None
+        ts: TaskState
+        best: WorkerState = None
+        best_next: TaskState = None
+        stuck_after: cython.Py_ssize_t = (self.queue_picks
+                                          - _RUN_STUCK_PICKS * self.total_nthreads)
         for ws in self.workers.values():
-            if ws.queue_run is not None and ws is not thief and (
-                    victim is None or len(ws.queue_run) > len(victim.queue_run)):
-                victim = ws
-        if victim is None:
-            return False
-        half: cython.Py_ssize_t = (len(victim.queue_run) + 1) // 2
-        thief.queue_run = victim.queue_run[:half]
-        del victim.queue_run[:half]
-        if not victim.queue_run:
+            if ws is thief or ws.queue_run is None:
+                continue
+            if stuck_only and ws.queue_picks > stuck_after:
+                continue
+            ts = self._next_in_run(ws)
+            if ts is not None and (best is None or _urgency_cmp(ts, best_next) < 0):
+                best, best_next = ws, ts
+        return best
+
+    @cython.cfunc
+    def _steal_run(self, thief: WorkerState, victim: WorkerState) -> None:
+        """Give ``thief`` the more urgent half of ``victim``'s run (the whole of a run of
+        one)."""
+        run: list = victim.queue_run
+        keep: cython.Py_ssize_t = len(run) // 2
+        thief.queue_run = run[keep:]
+        del run[keep:]
+        if not run:
             victim.queue_run = None
-        return True
 
     @cython.cfunc
     def _return_run(self, ws: WorkerState) -> None:
@@ -3015,9 +3061,17 @@ class SchedulerState:
         ws.queue_run = None
 
     @cython.cfunc
+    def _drop_queue(self) -> None:
+        """Empty the heap and the runs (nothing in them is queued any more: entries would
+        keep forgotten tasks alive)."""
+        ws: WorkerState
+        self.queued = []
+        for ws in self.workers.values():
+            ws.queue_run = None
+
+    @cython.cfunc
     def _compact_queue(self) -> None:
-        """Drop heap and run entries of tasks that left the queue (all runs when the
-        queue is empty: they would keep forgotten tasks alive)."""
+        """Drop heap and run entries of tasks that left the queue."""
         ts: TaskState
         ws: WorkerState
         seen = set()

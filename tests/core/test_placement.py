@@ -226,22 +226,35 @@ def test_a_more_urgent_queued_task_goes_before_the_rest_of_a_run():
     assert computed(worker_msgs) == {"r002": "A"}  # back to its run
 
 
-def test_a_worker_with_nothing_left_takes_the_less_urgent_half_of_a_longer_run():
-    sim, _ = queued_roots(200)
-    stolen = set()
-    for round_number in range(1000):
-        if not any(sim.computing.values()):
-            break
-        run_of_a = {ts.key for ts in sim.state.workers["A"].queue_run or ()}
-        for key in list(sim.computing["B"]):  # B is fast, A finishes one in 8 rounds
-            _, worker_msgs = sim.finish(key, worker="B")
-            stolen |= run_of_a & {k for k, w in computed(worker_msgs).items() if w == "B"}
-        if round_number % 8 == 0:
-            for key in list(sim.computing["A"]):
-                sim.finish(key, worker="A")
-    assert sim.state.n_queued == 0 and not any(sim.computing.values())
-    assert stolen
+def test_a_busy_workers_run_does_not_hold_back_the_most_urgent_tasks():
+    # A takes a run, then is stuck on a long task; B, done with its own, takes the more
+    # urgent half of A's run (again and again) before anything less urgent, even while
+    # other graphs keep arriving.
+    sim, _ = queued_roots(400)
+    sim.finish(*list(sim.computing["A"]), worker="A")
+    held = [ts.key for ts in reversed(sim.state.workers["A"].queue_run)]
+    assert len(held) > 100
+    ran_by_b = []
+    for round_number in range(600):
+        for key in list(sim.computing["B"]):
+            sim.finish(key, worker="B")
+            ran_by_b.append(key)
+        if round_number % 50 == 0:
+            later = [f"g{round_number}-{i}" for i in range(20)]
+            sim.submit([task(key) for key in later], later, client=f"c{round_number}")
+    first_later = next(i for i, key in enumerate(ran_by_b) if key.startswith("g"))
+    assert set(held) <= set(ran_by_b[:first_later])
     assert sim.state.workers["A"].queue_run is None
+
+
+def test_the_last_queued_task_released_leaves_no_run_behind():
+    sim, keys = queued_roots(60)
+    sim.finish(sim.computing["A"].popitem()[0], worker="A")
+    assert sim.state.workers["A"].queue_run
+    sim.release(keys)
+    assert not sim.state.tasks and sim.state.n_queued == 0
+    assert sim.state.queued == []
+    assert all(ws.queue_run is None for ws in sim.state.workers.values())
 
 
 @pytest.mark.parametrize("leaves", ["retired", "removed"])
