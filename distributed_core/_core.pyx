@@ -2934,6 +2934,8 @@ class SchedulerState:
 
     @cython.cfunc
     def _least_busy_idle(self) -> WorkerState:
+        """The idle worker with the least work per thread (queued tasks fit any: they are
+        never restricted, so _least_busy's fit test, which needs a task, is not asked)."""
         ws: WorkerState
         best: WorkerState = None
         best_load: cython.double = 0.0
@@ -2952,8 +2954,8 @@ class SchedulerState:
         head: TaskState
         victim: WorkerState
         while True:
-            if self._next_in_run(ws) is not None:
-                ts = ws.queue_run[-1]
+            ts = self._next_in_run(ws)
+            if ts is not None:
                 head = self._queue_head()
                 if head is None or _urgency_cmp(head, ts) >= 0:
                     ws.queue_run.pop()

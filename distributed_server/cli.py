@@ -398,9 +398,10 @@ def _tune_gc_for_a_worker() -> None:
     thresholds the two workers of the two-month seed spent 5.6-7.7 s of their ~27 CPU
     seconds in the collector, 14-20 full collections of 120-200 ms each, which freed a
     few hundred objects at most (measured with ``gc.callbacks``,
-    benchmarks/seed_cpu.py). With these thresholds they spend 1.5-1.7 s. The collector stays automatic: task threads allocate too. A worker
-    whose memory passes the spill line with nothing left to spill collects at once
-    (memory.MemoryMonitor), so cyclic garbage cannot pass for results."""
+    benchmarks/seed_cpu.py). With these thresholds they spend 1.5-1.7 s. The collector
+    stays automatic: task threads allocate too. A worker whose memory passes the spill
+    line with nothing left to spill collects at once (memory.MemoryMonitor), so cyclic
+    garbage cannot pass for results."""
     gc.set_threshold(*WORKER_GC_THRESHOLDS)
 
 

@@ -181,8 +181,9 @@ def test_root_tasks_wait_in_the_queue_for_a_worker_to_join():
 
 
 def queued_roots(n: int, workers=("A", "B")) -> tuple:
-    """A Sim whose workers (one thread each) were sent the first ``n`` root tasks, in
-    priority order; the rest wait in the queue. Returns it and the keys."""
+    """A Sim with workers of one thread each and ``n`` root tasks submitted: each worker
+    was sent the first it could take, the rest wait in the queue. Returns it and the
+    keys, in priority order."""
     sim = Sim(worker_saturation=1.0)
     for address in workers:
         sim.add_worker(address, 1)
