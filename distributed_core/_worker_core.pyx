@@ -1308,7 +1308,12 @@ class WorkerCore:
     def _give_up(self, ts: WorkerTask) -> None:
         """No holder gave an input: tell the scheduler which ones failed, and give the
         tasks that need it back (``missing-data`` for each; the ``reschedule`` messages go
-        out at the end of the stimulus, after every ``missing-data``)."""
+        out at the end of the stimulus, after every ``missing-data``).
+
+        A dependent is waiting, or its execution is in progress: one adopted after the
+        scheduler was lost fetches its inputs again, in case the executor skipped it. A
+        cancelled one only lets go of its inputs; one still wanted is given back too (its
+        outcome is then dropped), since a skipped execution could not run here."""
         dts: WorkerTask
         if ts.failed is not None:
             for errant in ts.failed:
@@ -1318,10 +1323,17 @@ class WorkerCore:
             ts.acquire = False
             self._not_acquired.append(ts.key)
         if ts.dependents is not None:
-            for dts in list(ts.dependents):  # all waiting: nothing else lacks an input
-                self._reschedules.append(SendMessage({"op": "reschedule", "key": dts.key}))
-                dts.run_spec = None
-                self._transition(dts, RELEASED)
+            for dts in list(ts.dependents):
+                if dts.run_spec is not None:
+                    self._reschedules.append(
+                        SendMessage({"op": "reschedule", "key": dts.key}))
+                    dts.run_spec = None
+                if dts.executing:
+                    if dts.state == EXECUTING:
+                        self._transition(dts, CANCELLED)
+                    self._unlink_dependencies(dts)
+                else:
+                    self._transition(dts, RELEASED)
         if ts.state == FETCH:
             self._transition(ts, RELEASED)
 

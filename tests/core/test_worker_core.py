@@ -438,6 +438,34 @@ def test_losing_the_scheduler_drops_everything():
     assert w.tasks == {} and w.n_executing == 0
 
 
+def adopted_after_the_scheduler_was_lost(w: WorkerCore) -> None:
+    """``z`` runs with ``x`` put here; the scheduler is lost (``x`` is dropped); the
+    new scheduler asks for ``z`` again: the execution in progress is adopted and ``x``
+    fetched from ``A`` in case the executor skips it."""
+    w.data_put({"x": 1}, "put", nbytes={"x": 8})
+    assert w.compute_tasks([compute("z", {"x": []})], "s") == [Execute("z")]
+    assert w.scheduler_lost("lost") == [ReleaseData("x")]
+    assert w.compute_tasks([compute("z", {"x": [A]})], "again") == [Fetch(A, ["x"])]
+    assert states(w) == {"z": "executing", "x": "flight"}
+
+
+def test_an_input_lost_under_a_cancelled_execution_sends_no_reschedule():
+    w = core(max_fetch_attempts=1)
+    adopted_after_the_scheduler_was_lost(w)
+    assert w.free_keys(["z"], "free") == []
+    assert w.fetch_failed(A, ["x"], "gone") == [missing("x", A)]  # z is not wanted
+    assert states(w) == {"z": "cancelled"}
+    assert run(w, "z", 2) == [] and w.tasks == {}
+
+
+def test_an_input_lost_under_an_adopted_execution_gives_the_task_back():
+    w = core(max_fetch_attempts=1)
+    adopted_after_the_scheduler_was_lost(w)
+    assert w.fetch_failed(A, ["x"], "gone") == [missing("x", A), reschedule("z")]
+    assert states(w) == {"z": "cancelled"}
+    assert run(w, "z", 2) == [] and w.tasks == {}  # given back: its outcome is dropped
+
+
 def test_values_put_by_a_client_are_held_and_reported_held():
     w = core()
     assert w.data_put({"k": b"v"}, "put", nbytes={"k": 33}) == [StoreData("k", b"v")]
