@@ -915,6 +915,8 @@ class WorkerCore:
                 for dep in ts.dependencies:
                     if dep.state == RELEASED:
                         self._recs[dep] = FETCH
+            elif who_has:
+                self._add_holders(ts, who_has)
             self._transition(ts, EXECUTING)  # adopt the execution in progress
             return
         if state in PENDING_STATES:
@@ -1259,6 +1261,10 @@ class WorkerCore:
         for ts in list(self.data_needed):
             if ts.state != FETCH:
                 continue
+            if not self._needed(ts):  # let go of by a give-up earlier in this loop
+                if ts.failed is not None:
+                    self._give_up(ts)  # the holders that failed are still reported
+                continue
             peer = self._pick_holder(ts, by_peer)
             if peer is None:
                 self._give_up(ts)
@@ -1308,12 +1314,16 @@ class WorkerCore:
     def _give_up(self, ts: WorkerTask) -> None:
         """No holder gave an input: tell the scheduler which ones failed, and give the
         tasks that need it back (``missing-data`` for each; the ``reschedule`` messages go
-        out at the end of the stimulus, after every ``missing-data``).
+        out at the end of the stimulus, after every ``missing-data``). A ``missing-data``
+        goes even when nothing here wants the key any more: it may be an input of a task
+        given back earlier in this stimulus, which the scheduler still accepts; else the
+        scheduler refuses it, which harms nothing.
 
         A dependent is waiting, or its execution is in progress: one adopted after the
-        scheduler was lost fetches its inputs again, in case the executor skipped it. A
-        cancelled one only lets go of its inputs; one still wanted is given back too (its
-        outcome is then dropped), since a skipped execution could not run here."""
+        scheduler was lost fetches its inputs again, in case the executor skips it (the
+        worker cannot tell whether it will). Such a task lets go of its inputs and is
+        cancelled; if it was still wanted it is given back too, and its outcome is kept
+        only if a compute-task adopts it again."""
         dts: WorkerTask
         if ts.failed is not None:
             for errant in ts.failed:

@@ -453,7 +453,9 @@ def test_an_input_lost_under_a_cancelled_execution_sends_no_reschedule():
     w = core(max_fetch_attempts=1)
     adopted_after_the_scheduler_was_lost(w)
     assert w.free_keys(["z"], "free") == []
-    assert w.fetch_failed(A, ["x"], "gone") == [missing("x", A)]  # z is not wanted
+    # z is not wanted: no reschedule (the scheduler refuses this missing-data; the
+    # worker cannot tell it from one of a task given back in the same stimulus)
+    assert w.fetch_failed(A, ["x"], "gone") == [missing("x", A)]
     assert states(w) == {"z": "cancelled"}
     assert run(w, "z", 2) == [] and w.tasks == {}
 
@@ -462,8 +464,30 @@ def test_an_input_lost_under_an_adopted_execution_gives_the_task_back():
     w = core(max_fetch_attempts=1)
     adopted_after_the_scheduler_was_lost(w)
     assert w.fetch_failed(A, ["x"], "gone") == [missing("x", A), reschedule("z")]
-    assert states(w) == {"z": "cancelled"}
-    assert run(w, "z", 2) == [] and w.tasks == {}  # given back: its outcome is dropped
+    assert states(w) == {"z": "cancelled"}  # its inputs let go of
+    # the scheduler asks again, naming another holder: the execution is adopted again,
+    # and if the executor skipped it, it runs once the input is here
+    assert w.compute_tasks([compute("z", {"x": [B]})], "again") == [Fetch(B, ["x"])]
+    assert w.execute_skipped("z", "skipped") == []
+    assert states(w) == {"z": "waiting", "x": "flight"}
+    assert w.fetch_done(B, {"x": 1}, [], "got") == [StoreData("x", 1), Execute("z")]
+
+
+def test_a_cancelled_execution_adopted_again_learns_the_new_holders():
+    w = core(max_fetch_attempts=2)
+    adopted_after_the_scheduler_was_lost(w)
+    w.free_keys(["z"], "free")
+    assert w.compute_tasks([compute("z", {"x": [B]})], "again") == []  # x is in flight
+    assert w.fetch_failed(A, ["x"], "gone") == [Fetch(B, ["x"])]
+
+
+def test_an_input_let_go_of_in_a_give_up_is_not_fetched():
+    w = core()
+    # x is said to be here, which it is not: z is given back, and y, its other input,
+    # is needed by nothing when its fetch would be planned
+    assert w.compute_tasks([compute("z", {"x": [ME], "y": [A]})], "s") == [
+        missing("x", ME), reschedule("z")]
+    assert w.tasks == {} and not w.in_flight
 
 
 def test_values_put_by_a_client_are_held_and_reported_held():
