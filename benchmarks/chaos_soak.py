@@ -355,7 +355,7 @@ def held_by_this_worker() -> dict:
     excluded), found through the Worker object of this process."""
     import gc
 
-    from distributed_server.worker import Worker
+    from distributed_server.worker.server import Worker
 
     found = {}
     for obj in gc.get_objects():

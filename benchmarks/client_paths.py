@@ -22,8 +22,8 @@ import gc
 import json
 import time
 
-from distributed_server.client import Client
-from distributed_server.cluster import LocalCluster
+from distributed_server.client.client import Client
+from distributed_server.deploy.local_cluster import LocalCluster
 
 
 def inc(x):

@@ -1,4 +1,4 @@
-"""Micro-benchmark of distributed_server.comm: batched `send` between two processes.
+"""Micro-benchmark of distributed_server.comm.framing: batched `send` between two processes.
 
 A receiver process listens on loopback; the sender connects, then pushes N small
 messages (the 180-byte compute-task message of docs/../notes/per-task-budget.md) with
@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed_server.comm import CommClosedError, connect, listen
+from distributed_server.comm.framing import CommClosedError, connect, listen
 
 
 def cpu_seconds() -> float:

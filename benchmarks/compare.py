@@ -217,7 +217,7 @@ def child_mapcost(spec: dict, system) -> dict:
 
 def _second_client(system):
     """Another distributed-core client of the same cluster (its own connection)."""
-    from distributed_server.client import Client
+    from distributed_server.client.client import Client
 
     return Client(system.cluster, set_as_default=False, timeout=60)
 

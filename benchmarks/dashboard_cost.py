@@ -159,7 +159,7 @@ def measure_read_costs(cluster: LocalCluster, poller: Poller, client: Client,
 
 def task_stream_cost(n: int = 1_000_000, batch: int = 100) -> float:
     """Seconds per task of TaskStream.record, in batches as workers report."""
-    from distributed_server.task_stream import TaskStream
+    from distributed_server.diagnostics.task_stream import TaskStream
 
     stream = TaskStream()
     reports = [{"op": "task-finished", "key": f"noop-{i}", "nbytes": 16, "start": 1.0 + i,

@@ -86,9 +86,9 @@ def child_dcore(workload: str, args: dict) -> dict:
     import dask
     import msgpack
 
-    from distributed_server import dask_support
-    from distributed_server.client import Client
-    from distributed_server.cluster import LocalCluster
+    from distributed_server.client.client import Client
+    from distributed_server.client import dask_graphs as dask_support
+    from distributed_server.deploy.local_cluster import LocalCluster
 
     out: dict = {"system": "distributed-core", "workload": workload}
     with dask.config.set({"dataframe.shuffle.method": "tasks"}):

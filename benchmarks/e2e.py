@@ -24,9 +24,9 @@ process's environment) on map 1x1 (not with ``--quick``).
 
 How each system runs:
 
-- distributed-core: ``distributed_server.cluster.LocalCluster(processes=True)``, i.e. a
+- distributed-core: ``distributed_server.deploy.local_cluster.LocalCluster(processes=True)``, i.e. a
   ``python -m distributed_server.cli scheduler`` process and N ``... worker`` processes;
-  ``distributed_server.client.Client`` in the benchmark process. ``--security``: the
+  ``distributed_server.client.client.Client`` in the benchmark process. ``--security``: the
   cluster's credentials, ``none`` (``Security()``), ``token`` (a fresh token, what
   LocalCluster does by default) or ``tls`` (``Security.temporary()``: TLS + a token).
 - dask.distributed, default configuration: a ``python -m distributed.cli.dask_scheduler``
@@ -191,8 +191,8 @@ class DcoreSystem:
     def __init__(self, n_workers: int, threads: int, security: str = "token"):
         import psutil
 
-        from distributed_server.client import Client
-        from distributed_server.cluster import LocalCluster
+        from distributed_server.client.client import Client
+        from distributed_server.deploy.local_cluster import LocalCluster
 
         self.cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads,
                                     processes=True, timeout=60,

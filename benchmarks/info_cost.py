@@ -30,7 +30,7 @@ import time
 
 CHILD = r"""
 import asyncio, sys
-from distributed_server.scheduler import Scheduler
+from distributed_server.scheduler.server import Scheduler
 
 async def main(n):
     s = Scheduler()
@@ -96,7 +96,7 @@ def _walk(state) -> dict:
 def core_read(n: int, calls: int) -> dict:
     """CPU seconds of the core's reads (and the scheduler's identity()) with n tasks."""
     import distributed_core
-    from distributed_server.scheduler import Scheduler
+    from distributed_server.scheduler.server import Scheduler
     scheduler = Scheduler()  # not started: identity() needs only its state
     state = scheduler.state
     tasks = _graph(n)

@@ -24,7 +24,7 @@ import tracemalloc
 
 import psutil
 
-from distributed_server.scheduler import Scheduler
+from distributed_server.scheduler.server import Scheduler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -85,7 +85,7 @@ class _Drain:
         self._waiter: tuple | None = None
 
     async def __call__(self, comm) -> None:
-        from distributed_server.comm import CommClosedError
+        from distributed_server.comm.framing import CommClosedError
 
         try:
             while True:
@@ -105,7 +105,7 @@ class _Drain:
 async def measure_handshakes(modes: tuple, n: int) -> dict:
     """Per mode: connect + close ``n`` times to an in-process listener, in interleaved
     batches; wall times per connect and CPU per connect."""
-    from distributed_server.comm import connect, listen
+    from distributed_server.comm.framing import connect, listen
 
     setups = {}
     for mode in modes:

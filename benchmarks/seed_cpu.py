@@ -31,7 +31,7 @@ def gc_totals():
     """On a worker: its collections so far (timed by the worker's own GC_PAUSES)."""
     import gc
 
-    from distributed_server.gc_pauses import GC_PAUSES
+    from distributed_server.diagnostics.gc_pauses import GC_PAUSES
 
     return {"seconds": list(GC_PAUSES.total), "count": list(GC_PAUSES.count),
             "freed": list(GC_PAUSES.collected), "thresholds": gc.get_threshold()}

@@ -152,6 +152,11 @@ def show(path, names):
         print("   ", name)
 
 
+# every subpackage of the shell must ship (pyproject.toml finds them by pattern)
+SUBPACKAGES = ("client", "comm", "dashboard", "deploy", "diagnostics", "protocol", "scheduler",
+               "worker")
+
+
 def check_sdist(sdist):
     names = [n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n]
     show(sdist, names)
@@ -176,7 +181,8 @@ for wheel, kind in ((compiled, "compiled"), (pure, "pure")):
     show(wheel, names)
     for need in ("distributed_core/__init__.py", "distributed_core/_core.pyx",
                  "distributed_core/_worker_core.pyx", "distributed_core/_cython_shim.py",
-                 "distributed_server/__init__.py"):
+                 "distributed_server/__init__.py",
+                 *(f"distributed_server/{sub}/__init__.py" for sub in SUBPACKAGES)):
         if need not in names:
             problems.append(f"{kind} wheel: {need} is missing")
     extensions = [n for n in names if n.endswith((".so", ".pyd", ".dylib"))]

@@ -5,7 +5,7 @@ made by the compiled state machine in ``distributed_core``, which the Scheduler 
 """
 from distributed_core import COMPILED, __version__
 
-from .client import (
+from .client.client import (
     ALL_COMPLETED,
     FIRST_COMPLETED,
     FIRST_EXCEPTION,
@@ -17,22 +17,23 @@ from .client import (
     futures_of,
     wait,
 )
-from .cluster import LocalCluster
-from .introspection import StoryEntry, WorkerSilent
-from .performance_report import performance_report
+from .client.performance_report import performance_report
+from .client.primitives import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
+from .client.progress import progress
+from .client.worker_client import get_client, worker_client
+from .deploy.local_cluster import LocalCluster
 from .plugins import SchedulerPlugin, WorkerPlugin
-from .progress import progress
-from .primitives import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
-from .scheduler import Scheduler
+from .protocol.stories import StoryEntry, WorkerSilent
+from .scheduler.server import Scheduler
 from .security import Security, SecurityError
-from .worker import Worker
-from .worker_client import get_client, get_worker, rejoin, secede, worker_client
+from .worker.server import Worker
+from .worker.task_context import get_worker, rejoin, secede
 
 __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "Event", "FIRST_COMPLETED",
     "FIRST_EXCEPTION", "Future", "LocalCluster", "Lock", "Pub", "Queue", "Scheduler",
     "SchedulerPlugin", "Security", "SecurityError", "Semaphore", "StoryEntry", "Sub",
-    "Variable", "Worker", "WorkerPlugin", "WorkerSilent", "__version__", "as_completed", "fire_and_forget", "futures_of",
-    "get_client", "get_worker", "performance_report", "progress", "rejoin", "secede", "wait",
+    "Variable", "Worker", "WorkerPlugin", "WorkerSilent", "__version__", "as_completed",
+    "fire_and_forget", "futures_of", "get_client", "get_worker", "performance_report", "progress", "rejoin", "secede", "wait",
     "worker_client",
 ]

@@ -16,7 +16,7 @@ Credentials: --token-file FILE (or DCORE_TOKEN / DCORE_TOKEN_FILE in the environ
 --tls-ca-file, --tls-cert, --tls-key (or DCORE_TLS_CA_FILE / _CERT / _KEY). A scheduler
 or worker with none of them listens only on loopback unless given --insecure.
 
-`dcore worker` runs its workers under a nanny (`distributed_server.nanny`): one process
+`dcore worker` runs its workers under a nanny (`distributed_server.deploy.nanny`): one process
 that starts ``--nworkers`` worker processes (``dcore worker ... --no-nanny``, credentials
 and the memory limit in their environment), restarts them when they die or pass their
 memory limit, and restarts them all when the scheduler asks (`Client.restart`).
@@ -39,9 +39,9 @@ import distributed_core
 from . import config, logs
 from .comm import parse_address
 from .dashboard.http import DEFAULT_DASHBOARD_PORT, parse_http_address
-from .gc_pauses import GC_PAUSES, LoopCollector
-from .memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
-from .nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
+from .deploy.launch import Preload, close_after, read_scheduler_file, write_scheduler_file
+from .deploy.nanny import MEMORY_LIMIT_ENV, TERMINATE_FRACTION, format_bytes, parse_memory_limit
+from .diagnostics.gc_pauses import GC_PAUSES, LoopCollector
 from .security import (
     Security,
     SecurityError,
@@ -49,8 +49,8 @@ from .security import (
     new_token,
     write_tls_files,
 )
-from .startup import Preload, close_after, read_scheduler_file, write_scheduler_file
-from .worker import SCHEDULER_TIMEOUT
+from .worker.memory import PAUSE_FRACTION, SPILL_FRACTION, TARGET_FRACTION
+from .worker.server import SCHEDULER_TIMEOUT
 
 
 def main(argv: list | None = None) -> int:
@@ -413,7 +413,7 @@ async def _serve_until_signal(server) -> None:
 
 
 async def _run_scheduler(args) -> int:
-    from .scheduler import Scheduler
+    from .scheduler.server import Scheduler
 
     scheduler = Scheduler(args.host, args.port, worker_ttl=args.worker_ttl,
                           validate=args.validate, worker_saturation=args.worker_saturation,
@@ -465,8 +465,8 @@ def _resolve_worker_addresses(args) -> None:
 
 
 async def _run_worker(args) -> int:
-    from .nanny import LIFETIME_EXIT_CODE
-    from .worker import Worker
+    from .deploy.nanny import LIFETIME_EXIT_CODE
+    from .worker.server import Worker
 
     preloads = args.preloads
     _tune_gc_for_a_worker()
@@ -501,7 +501,7 @@ async def _run_worker(args) -> int:
 
 def _tell_nanny(address: str) -> None:
     """Under a nanny: write our address to the pipe it gave us (then close it)."""
-    from .nanny import ADDRESS_FD_ENV
+    from .deploy.nanny import ADDRESS_FD_ENV
 
     fd = os.environ.pop(ADDRESS_FD_ENV, None)  # not for the processes tasks start
     if fd is None or not fd.isdigit():
@@ -516,7 +516,7 @@ def _tell_nanny(address: str) -> None:
 async def _run_nanny(args, memory_limit: int) -> int:
     """Supervise ``--nworkers`` worker processes until SIGTERM/SIGINT, or until they all
     exited cleanly (the scheduler closed them)."""
-    from .nanny import Nanny
+    from .deploy.nanny import Nanny
 
     worker_args = ["--nthreads", str(args.nthreads), "--host", args.host,
                    "--port", str(args.port), "--log-level", args.log_level]

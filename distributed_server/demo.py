@@ -43,8 +43,8 @@ def _progress(done: int, total: int, started: float) -> None:
 
 def run_demo(n_workers: int = 2, threads_per_worker: int = 1, n_tasks: int = 5000) -> int:
     """Start a LocalCluster, run the graph, check the answer, print a report."""
-    from .client import Client, as_completed
-    from .cluster import LocalCluster
+    from .client.client import Client, as_completed
+    from .deploy.local_cluster import LocalCluster
 
     kind = "compiled" if distributed_core.COMPILED else "interpreted"
     print(f"distributed-core {distributed_core.__version__}, core {kind}")

@@ -29,8 +29,10 @@ import collections
 import logging
 import os
 import threading
+import time
+from typing import Any
 
-__all__ = ["BUFFER_LINES", "FORMAT", "LogBuffer", "buffer", "check_line_count",
+__all__ = ["BUFFER_LINES", "FORMAT", "LogBuffer", "QuietLog", "buffer", "check_line_count",
            "claim_address", "configure", "install_buffer", "level_of", "recent_lines",
            "set_identity"]
 
@@ -166,3 +168,31 @@ def check_line_count(n) -> int | None:
         raise ValueError(f"n must be None (every kept line) or an int from 0 to "
                          f"{BUFFER_LINES}, not {n!r:.60}")
     return n
+
+
+class QuietLog:
+    """Logs a repeated event at most ``burst`` times per ``period`` seconds, then once
+    more with the number of events it kept quiet: one bad peer cannot flood the log."""
+
+    def __init__(self, level: int, burst: int = 5, period: float = 10.0,
+                 log: logging.Logger | None = None) -> None:
+        self.level = level
+        self.logger = log if log is not None else logging.getLogger("distributed_server")
+        self.burst = burst
+        self.period = period
+        self._window_start = float("-inf")
+        self._count = 0
+        self._suppressed = 0
+
+    def __call__(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.period:
+            if self._suppressed:
+                self.logger.log(self.level, "(%d similar messages suppressed in the last "
+                                "%.0f s)", self._suppressed, self.period)
+            self._window_start, self._count, self._suppressed = now, 0, 0
+        self._count += 1
+        if self._count <= self.burst:
+            self.logger.log(self.level, msg, *args)
+        else:
+            self._suppressed += 1

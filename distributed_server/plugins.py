@@ -8,7 +8,7 @@ What this module does
   dask's ``distributed.diagnostics.plugin.WorkerPlugin`` subclasses, or any object with
   those methods) and sends it through the scheduler, which keeps the bytes without
   unpickling them and hands them to every worker, now and when one joins later
-  (`distributed_server.scheduler_plugins`). On the worker, `WorkerPluginHost` unpickles
+  (`distributed_server.scheduler.plugins`). On the worker, `WorkerPluginHost` unpickles
   it, tears down a plugin of the same name, calls ``setup`` (awaited if it returns an
   awaitable) and reports the outcome; a failed setup comes back to the client as the
   original exception.
@@ -40,8 +40,8 @@ import warnings
 
 import cloudpickle
 
-from .comm import Blob
-from .serialize import dumps_error, loads_error
+from .protocol.serialize import dumps_error, loads_error
+from .protocol.wire import Blob
 
 __all__ = ["MAX_PLUGIN_BYTES", "MAX_PLUGIN_NAME", "NannyPluginRefused",
            "SchedulerPlugin", "SchedulerPluginRefused", "WorkerPlugin"]

@@ -23,14 +23,14 @@ from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 from tornado.web import Application, HTTPError, RequestHandler
 
-from ..comm import _QuietLog
+from ..logs import QuietLog
 from ..security import Security, check_listen_security
 from .auth import COOKIE_DAYS, HttpAuth
 
 __all__ = ["BaseHandler", "HttpServer", "parse_http_address"]
 
 logger = logging.getLogger("distributed_server.dashboard")
-_refusal_log = _QuietLog(logging.WARNING, log=logger)
+_refusal_log = QuietLog(logging.WARNING, log=logger)
 
 #: The scheduler's dashboard port unless told otherwise.
 DEFAULT_DASHBOARD_PORT = 8787

@@ -19,7 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from distributed_core import COMPILED, __version__
 
 from ..comm import TRAFFIC
-from ..gc_pauses import GC_PAUSES
+from ..diagnostics.gc_pauses import GC_PAUSES
 from .figures import STATES, SchedulerFigures
 
 __all__ = ["CONTENT_TYPE_LATEST", "Exposition", "registry_for", "SchedulerCollector",

@@ -9,7 +9,7 @@ probe runs while the server does.
 """
 from __future__ import annotations
 
-from ..loop_lag import LoopLagMonitor
+from ..diagnostics.loop_lag import LoopLagMonitor
 from .http import BaseHandler, HttpServer, parse_http_address
 
 __all__ = ["WorkerHttp", "start_worker_http"]

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from distributed_server import Client, LocalCluster, Security
-from distributed_server.comm import PROTOCOL_VERSION, Comm, CommClosedError, parse_address
+from distributed_server.comm.framing import PROTOCOL_VERSION, Comm, CommClosedError, parse_address
 from distributed_server.security import ENVIRONMENT_VARIABLES, new_token
 
 # Test modules import the helpers below with `from server_helpers import ...`. This file's

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from distributed_server import config
-from distributed_server.scheduler import Scheduler
-from distributed_server.worker import Worker
+from distributed_server.scheduler.server import Scheduler
+from distributed_server.worker.server import Worker
 
 
 def test_durations_parse_as_dask_writes_them():
@@ -65,7 +65,7 @@ def test_servers_take_their_defaults_from_configuration():
 
 def test_dasks_environment_variables_reach_a_dcore_process():
     script = textwrap.dedent("""
-        from distributed_server.scheduler import Scheduler
+        from distributed_server.scheduler.server import Scheduler
         s = Scheduler()
         print(s.worker_ttl, s.client_idle_timeout)
     """)

@@ -1,0 +1,27 @@
+"""HeapTrimmer: when the scheduler gives freed heap memory back (malloc_trim)."""
+from distributed_server.diagnostics import heap_trim
+from distributed_server.diagnostics.heap_trim import HeapTrimmer
+
+
+def test_a_big_release_trims_every_after_tasks_and_at_its_end():
+    trimmer = HeapTrimmer(after=50_000)
+    held = [0, 1_000_000] + list(range(990_000, -1, -10_000))
+    trimmed = [n for n in held if trimmer.held(n)]
+    assert trimmed == list(range(950_000, -1, -50_000))
+
+
+def test_a_small_tail_is_trimmed_once_almost_everything_is_gone():
+    trimmer = HeapTrimmer(after=50_000)
+    assert [trimmer.held(n) for n in (30_000, 20_000, 1_000)] == [False, False, True]
+
+
+def test_small_changes_never_trim():
+    trimmer = HeapTrimmer(after=50_000)
+    assert not any(trimmer.held(n) for n in (30_000, 29_000, 28_000, 40_000, 39_000))
+    assert trimmer.trims == 0
+
+
+def test_trim_heap_answers_without_glibc_too(monkeypatch):
+    assert type(heap_trim.trim_heap()) is bool
+    monkeypatch.setattr(heap_trim, "_MALLOC_TRIM", None)
+    assert heap_trim.trim_heap() is False
