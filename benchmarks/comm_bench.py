@@ -23,7 +23,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed_server.comm.framing import CommClosedError, connect, listen
+from distributed_server.comm.connector import connect
+from distributed_server.comm.framing import CommClosedError
+from distributed_server.comm.listener import listen
 
 
 def cpu_seconds() -> float:

@@ -105,7 +105,8 @@ class _Drain:
 async def measure_handshakes(modes: tuple, n: int) -> dict:
     """Per mode: connect + close ``n`` times to an in-process listener, in interleaved
     batches; wall times per connect and CPU per connect."""
-    from distributed_server.comm.framing import connect, listen
+    from distributed_server.comm.connector import connect
+    from distributed_server.comm.listener import listen
 
     setups = {}
     for mode in modes:

@@ -74,6 +74,8 @@ TransitionLimitExceeded = _core.TransitionLimitExceeded
 bounded_repr = _core.bounded_repr
 key_prefix = _core.key_prefix
 TASK_STATES = _core.TASK_STATES
+#: Recipients a retirement tries for one result before it gives up on it.
+MAX_RECIPIENTS_PER_KEY = _core.MAX_RECIPIENTS_PER_KEY
 WorkerTask = _worker_core.WorkerTask
 WorkerCore = _worker_core.WorkerCore
 WORKER_TASK_STATES = _worker_core.WORKER_TASK_STATES
@@ -83,11 +85,17 @@ SendMessage = _worker_core.SendMessage
 StoreData = _worker_core.StoreData
 ReleaseData = _worker_core.ReleaseData
 ReportHeld = _worker_core.ReportHeld
+#: What an execution came to: the kinds of ``WorkerCore.executions_done`` outcomes.
+FINISHED = _worker_core.FINISHED
+ERRED = _worker_core.ERRED
+SKIPPED = _worker_core.SKIPPED
 
 __all__ = [
     "COMPILED", "CORE_FILE", "WORKER_CORE_FILE", "TaskState", "WorkerState", "ClientState",
     "TaskPrefix", "SchedulerState", "InvalidTransition", "InvariantError", "InvalidStimulus",
     "Unauthorized", "GraphError", "TransitionLimitExceeded", "bounded_repr", "TASK_STATES",
     "key_prefix", "WorkerTask", "WorkerCore", "WORKER_TASK_STATES", "Execute", "Fetch",
-    "SendMessage", "StoreData", "ReleaseData", "ReportHeld", "__version__",
+    "SendMessage", "StoreData", "ReleaseData", "ReportHeld", "FINISHED", "ERRED", "SKIPPED",
+    "__version__",
+    "MAX_RECIPIENTS_PER_KEY",
 ]

@@ -18,12 +18,13 @@ Rules of this module (everything that decides a task's state lives in this file)
   one task, never the batch. Any other exception is a bug; work it left pending
   (recommendations, messages) is carried out by the next stimulus, and a stimulus that
   runs away (``max_transitions_per_stimulus``) raises ``TransitionLimitExceeded``.
-- One table, one engine. ``MOVES`` lists each allowed move (start, finish) and
-  ``SchedulerState._move`` runs it (a C switch when compiled: states are C ints inside
-  the core, names at every interface). A transition changes one task and may *recommend*
-  states for others; the engine applies recommendations until none are left. A move with no entry goes through
-  ``released``. Transitions that carry data from a stimulus (a result, scattered data)
-  are called directly by that stimulus.
+- One table, one engine. ``MOVES`` (beside the states, below) lists each allowed move
+  (start, finish) and ``SchedulerState._move`` runs it: one case per entry, held equal to
+  the table by a test, compiled to C int compares and direct calls (states are C ints
+  inside the core, names at every interface). A transition changes one task and may
+  *recommend* states for others; the engine applies recommendations until none are left.
+  A move with no entry goes through ``released``. Transitions that carry data from a
+  stimulus (a result, scattered data) are called directly by that stimulus.
 - Lean tasks. Collections a task needs only for part of its life are ``None`` until
   needed and set back to ``None`` when done; tiny, rarely changing ones (who holds a
   result, who wants it) are tuples, and so are a task's dependents while they are few;
@@ -65,6 +66,40 @@ _STATE_INDEX = {state: i for i, state in enumerate(TASK_STATES)}
 HELD_STATES = TASK_STATES[:-1]
 # A task in one of these states needs the results of its dependencies.
 ACTIVE_STATES = frozenset((WAITING, QUEUED, NO_WORKER, PROCESSING))
+
+#: The one list of allowed moves (start, finish), by name: nothing else decides which
+#: move is a transition of its own. ``SchedulerState._move`` has exactly one case per entry
+#: (each calls ``_transition_<start>_<finish>``) and refuses any other pair;
+#: tests/core/scheduler/test_transitions_table.py holds the two equal. A move missing here
+#: goes through released.
+MOVES = frozenset([
+    (RELEASED, WAITING), (RELEASED, ERRED), (RELEASED, FORGOTTEN),
+    (WAITING, PROCESSING), (WAITING, QUEUED), (WAITING, NO_WORKER), (WAITING, RELEASED),
+    (WAITING, ERRED),
+    (QUEUED, PROCESSING), (QUEUED, RELEASED),
+    (NO_WORKER, PROCESSING), (NO_WORKER, WAITING), (NO_WORKER, RELEASED),
+    (PROCESSING, RELEASED), (PROCESSING, WAITING), (PROCESSING, ERRED),
+    (MEMORY, RELEASED),
+    (ERRED, RELEASED),
+])
+# MOVES as one bit per (start, finish), bit 8 * start + finish of the states' indexes: the
+# engine's test of a move (``_allowed``) is one shift.
+_MOVE_BITS = cython.declare(cython.ulonglong,
+                            sum([1 << (8 * _STATE_INDEX[a] + _STATE_INDEX[b]) for a, b in MOVES]))
+
+# Inside the core a task's state is its index in TASK_STATES (``TaskState.state_id``):
+# these C constants when compiled, so a state test is an integer comparison and a move is
+# dispatched by C int compares (``_move``), never a string compare or a dict lookup. Every
+# interface (messages, the transition log, ``ts.state``, counters) shows the names.
+_S_RELEASED = cython.declare(cython.int, 0)
+_S_WAITING = cython.declare(cython.int, 1)
+_S_QUEUED = cython.declare(cython.int, 2)
+_S_NO_WORKER = cython.declare(cython.int, 3)
+_S_PROCESSING = cython.declare(cython.int, 4)
+_S_MEMORY = cython.declare(cython.int, 5)
+_S_ERRED = cython.declare(cython.int, 6)
+_S_FORGOTTEN = cython.declare(cython.int, 7)
+_NAMES = cython.declare(tuple, TASK_STATES)
 
 WORKER_RUNNING = "running"
 WORKER_RETIRING = "retiring"  # being retired: takes no new task, its results move away
@@ -110,6 +145,12 @@ _TRANSITIONS_LIMIT_BASE = 100_000
 #: The reason a restart gives the clients in its ``cancelled-keys`` messages.
 RESTART_REASON = ("the cluster was restarted (Client.restart): every task was forgotten and "
                   "the workers' results dropped")
+#: Recipients a retirement tries for one result before it gives up on it (each a fresh
+#: one): SchedulerState.retirement_plan.
+MAX_RECIPIENTS_PER_KEY = 3
+#: Rebalance leaves alone workers within this fraction of the mean bytes (either side), so
+#: results do not bounce between workers that are nearly even: SchedulerState.rebalance_moves.
+REBALANCE_HALF_GAP = 0.05
 
 
 class InvalidTransition(RuntimeError):
@@ -400,21 +441,6 @@ class TaskState:
         return f"<TaskState {self.key!r} {self.state}>"
 
 
-# Inside the core a task's state is its index in TASK_STATES (``TaskState.state_id``):
-# these C constants when compiled, so a state test is an integer comparison and a move is
-# dispatched by a C switch (``_move``), never a string compare or a dict lookup. Every
-# interface (messages, the transition log, ``ts.state``, counters) shows the names.
-_S_RELEASED = cython.declare(cython.int, 0)
-_S_WAITING = cython.declare(cython.int, 1)
-_S_QUEUED = cython.declare(cython.int, 2)
-_S_NO_WORKER = cython.declare(cython.int, 3)
-_S_PROCESSING = cython.declare(cython.int, 4)
-_S_MEMORY = cython.declare(cython.int, 5)
-_S_ERRED = cython.declare(cython.int, 6)
-_S_FORGOTTEN = cython.declare(cython.int, 7)
-_NAMES = cython.declare(tuple, TASK_STATES)
-
-
 @cython.cfunc
 @cython.inline
 def _is_active(state: cython.int) -> cython.bint:
@@ -427,6 +453,12 @@ def _is_active(state: cython.int) -> cython.bint:
 def _allowed(start: cython.int, finish: cython.int) -> cython.bint:
     """Whether ``start -> finish`` is a transition of its own (in MOVES)."""
     return (_MOVE_BITS >> (8 * start + finish)) & 1 == 1
+
+
+@cython.cfunc
+def _no_move(ts: TaskState, start: cython.int, finish: cython.int) -> object:
+    """The error of a move that MOVES does not list (``SchedulerState._move`` raises it)."""
+    return InvalidTransition(f"{ts.key!r}: no transition {_NAMES[start]} -> {_NAMES[finish]}")
 
 
 @cython.cfunc
@@ -595,7 +627,12 @@ def _repr_within(value, budget, depth) -> str:
     return opening + ", ".join(parts) + closing
 
 
-@cython.cfunc
+# The input checks below (to _check_resources) are the ones of both cores: _worker_core.pyx
+# calls these. They are cpdef (``ccall``) so that it can: a call from here is still a C
+# call; one from the worker core is a Python call, a few ns dearer than a cfunc call.
+
+
+@cython.ccall
 def _key_problem(key) -> object:
     """Why ``key`` cannot name a task (a text), or None if it can."""
     try:
@@ -607,7 +644,7 @@ def _key_problem(key) -> object:
     return None
 
 
-@cython.cfunc
+@cython.ccall
 def _check_keys(keys, what: str) -> None:
     """Refuse anything but a list or tuple of keys."""
     if not isinstance(keys, _SEQUENCE):
@@ -618,20 +655,22 @@ def _check_keys(keys, what: str) -> None:
             raise InvalidStimulus(f"{what}: {problem}")
 
 
-@cython.cfunc
+@cython.ccall
 def _check_key(key, what: str) -> None:
+    """Refuse a key that cannot name a task (``_key_problem``)."""
     problem = _key_problem(key)
     if problem is not None:
         raise InvalidStimulus(f"{what}: {problem}")
 
 
-@cython.cfunc
+@cython.ccall
 def _check_str(value, what: str) -> None:
+    """Refuse anything but a str."""
     if not isinstance(value, str):
         raise InvalidStimulus(f"{what} must be a str, not {bounded_repr(value)}")
 
 
-@cython.cfunc
+@cython.ccall
 def _is_quantity(value) -> cython.bint:
     """A resource quantity: a non-negative, finite number (no bool)."""
     kind = type(value)
@@ -642,7 +681,7 @@ def _is_quantity(value) -> cython.bint:
     return False
 
 
-@cython.cfunc
+@cython.ccall
 def _check_resources(resources, what: str) -> object:
     """``resources`` as a dict of its own (None if empty), or InvalidStimulus."""
     if resources is None:
@@ -1607,6 +1646,360 @@ class SchedulerState:
                                f"{_some(refused)}")
         return ws
 
+    # ------------------------------------------------------------------ plans for moving results
+    #
+    # Where results should go when the server moves them (Client.retire_workers, replicate,
+    # rebalance): queries that read the state and never change it, so they take no
+    # stimulus id. Plain data in and out (addresses, keys); the server carries the plans
+    # out with the stimuli above, one operation at a time. Each costs O(keys asked +
+    # workers), plus the results held by the workers whose results it looks through.
+    #
+    # Every choice is by the bytes the scheduler counts (``WorkerState.nbytes``: the sizes
+    # of the results a worker holds, as reported), not by process memory: deterministic,
+    # and the same figure the scheduler places tasks by.
+
+    def workers_to_retire(self, workers, n) -> tuple:
+        """The workers a retirement takes: ``(addresses, unknown)``.
+
+        ``workers`` (addresses or names, or None) name them: each is taken once, in the
+        order given, if it is running; ``unknown`` lists the names that match no
+        registered worker. Without ``workers``, the ``n`` running workers holding the
+        fewest bytes (then running the fewest tasks; ``n`` None: all of them)."""
+        ws: WorkerState
+        if workers is not None:
+            by_name = {ws.name: address for address, ws in self.workers.items()}
+            chosen = {}
+            unknown = []
+            for worker in workers:
+                address = worker if worker in self.workers else by_name.get(worker)
+                if address is None:
+                    unknown.append(worker)
+                else:
+                    chosen[address] = None
+            running = []
+            for address in chosen:
+                ws = self.workers[address]
+                if ws.status == WORKER_RUNNING:
+                    running.append(address)
+            return running, unknown
+        running = [(ws.nbytes, len(ws.processing), ws.address)
+                   for ws in self.workers.values() if ws.status == WORKER_RUNNING]
+        running.sort()
+        if n is not None:
+            running = running[:n]
+        return [entry[2] for entry in running], []
+
+    def copy_recipients(self, workers=None, exclude=(), paused=()) -> list:
+        """The addresses of the workers that may take copies: running ones, neither in
+        ``exclude`` nor in ``paused`` (addresses), and, if ``workers`` (addresses or names)
+        is given, among those; in the order they joined."""
+        ws: WorkerState
+        names = None if workers is None else set(workers)
+        exclude = set(exclude)
+        paused = set(paused)
+        return [address for address, ws in self.workers.items()
+                if ws.status == WORKER_RUNNING and address not in exclude
+                and address not in paused
+                and (names is None or address in names or ws.name in names)]
+
+    def registered(self, addresses) -> list:
+        """Those of ``addresses`` that are registered workers, in the order given."""
+        return [address for address in addresses if address in self.workers]
+
+    def results_held(self, worker) -> list:
+        """The keys of the results ``worker`` holds, in the order it came to hold them
+        (none if it is not registered)."""
+        ws: WorkerState = self.workers.get(worker)
+        ts: TaskState
+        if ws is None:
+            return []
+        return [ts.key for ts in ws.has_what]
+
+    def keys_not_in_memory(self, keys) -> list:
+        """Those of ``keys`` (hashable) whose result is not in memory, in the order given."""
+        ts: TaskState
+        out = []
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state_id != _S_MEMORY:
+                out.append(key)
+        return out
+
+    def keys_not_wanted(self, client, keys) -> list:
+        """Those of ``keys`` (hashable) that the scheduler knows and ``client`` does not
+        want: keys a client may not act on (unknown keys are not its business either way)."""
+        ts: TaskState
+        cs: ClientState = self.clients.get(client)
+        out = []
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is not None and not _wants(ts, cs):
+                out.append(key)
+        return out
+
+    def retirement_plan(self, leaving, recipients, tried) -> tuple:
+        """Where the results that only the ``leaving`` workers hold should go:
+        ``(plan, stuck)``.
+
+        ``leaving`` and ``recipients`` are addresses (those no longer registered are left
+        out), ``tried`` is ``{key: set of addresses that failed to copy it}``. A result no
+        worker outside ``leaving`` holds is listed once, under the first of ``leaving``
+        that holds it; each sender's results go largest first, each to the recipient
+        holding the fewest bytes (counting what this plan gives it; then by address) that
+        neither holds it nor failed it. ``plan`` is ``{recipient address: [key, ...]}``,
+        ``stuck`` ``{sender address: [key, ...]}`` for results with no recipient left
+        (none at all, or `MAX_RECIPIENTS_PER_KEY` failed). Both empty: nothing is left
+        that only ``leaving`` workers hold."""
+        ws: WorkerState
+        ts: TaskState
+        holder: WorkerState
+        senders = [self.workers[address] for address in leaving if address in self.workers]
+        gone = set(senders)
+        # (bytes, address, WorkerState): addresses are unique, so a WorkerState is never
+        # compared
+        load = [(ws.nbytes, ws.address, ws)
+                for ws in [self.workers.get(address) for address in recipients]
+                if ws is not None]
+        heapq.heapify(load)
+        seen = set()
+        plan = {}
+        stuck = {}
+        for ws in senders:
+            mine = []
+            for ts in ws.has_what:
+                if ts in seen:
+                    continue
+                for holder in ts.who_has:
+                    if holder not in gone:
+                        break
+                else:
+                    seen.add(ts)
+                    mine.append((-ts.nbytes, len(mine), ts))
+            mine.sort()  # largest first; equal sizes in the order it came to hold them
+            for entry in mine:
+                ts = entry[2]
+                failed = tried.get(ts.key, ())
+                if len(failed) >= MAX_RECIPIENTS_PER_KEY:
+                    stuck.setdefault(ws.address, []).append(ts.key)
+                    continue
+                best = self._least_loaded(load, ts, failed, 1)
+                if not best:
+                    stuck.setdefault(ws.address, []).append(ts.key)
+                    continue
+                plan.setdefault(best[0][1], []).append(ts.key)
+                self._load_back(load, best, ts)
+        return plan, stuck
+
+    def replication(self, keys, pool, n, branching_factor, tried) -> dict:
+        """One round of copies toward ``n`` holders of each key within ``pool``:
+        ``{recipient address: [key, ...]}``.
+
+        ``pool`` is a list of addresses (those no longer registered are left out),
+        ``tried`` ``{key: set of addresses that failed to copy it}``; keys not in memory
+        are left out. A key with fewer than ``n`` holders in the pool gets at most
+        ``branching_factor`` new copies per holder it has (a tree: the copies of one round
+        are sources in the next), on the pool's workers holding the fewest bytes
+        (counting what this plan gives them; then by address) that do not hold it and have
+        not failed it."""
+        ws: WorkerState
+        ts: TaskState
+        members = {}  # WorkerState -> None
+        for address in pool:
+            ws = self.workers.get(address)
+            if ws is not None:
+                members[ws] = None
+        load = [(ws.nbytes, ws.address, ws) for ws in members]
+        heapq.heapify(load)
+        plan = {}
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state_id != _S_MEMORY:
+                continue
+            missing: cython.Py_ssize_t = n
+            for ws in ts.who_has:
+                if ws in members:
+                    missing -= 1
+            if missing <= 0:
+                continue
+            best = self._least_loaded(load, ts, tried.get(key, ()),
+                                      min(missing, branching_factor * len(ts.who_has)))
+            for entry in best:
+                plan.setdefault(entry[1], []).append(key)
+            self._load_back(load, best, ts)
+        return plan
+
+    def surplus_holders(self, keys, pool, n) -> dict:
+        """The copies past ``n`` within ``pool`` (addresses) to drop: ``{address: [key,
+        ...]}``, from the holders with the most bytes (then by address); never a key's
+        last copy. Keys not in memory are left out."""
+        ws: WorkerState
+        ts: TaskState
+        members = set(pool)
+        drop = {}
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.who_has is None:
+                continue
+            holders = sorted([(-ws.nbytes, ws.address) for ws in ts.who_has
+                              if ws.address in members])
+            for entry in holders[:max(len(holders) - n, 0)]:
+                drop.setdefault(entry[1], []).append(key)
+        return drop
+
+    def rebalance_moves(self, pool, keys=None) -> list:
+        """``[(sender address, recipient address, key), ...]``: moves that bring every
+        worker of ``pool`` (addresses; those no longer registered are left out) toward
+        the mean of the bytes they hold.
+
+        Workers more than `REBALANCE_HALF_GAP` of the mean above it send, those as far
+        below it receive. Repeatedly the sender farthest above the mean gives its largest
+        result that takes neither it more than that gap below the mean nor its recipient
+        more than the gap above it, to the recipient farthest below the mean that does
+        not hold it already (so replication never drops). Both stop once within the gap
+        of the mean. Only ``keys``, if given. A simplification of dask's rebalance, which
+        measures process memory and takes the least recently inserted result first."""
+        ws: WorkerState
+        ts: TaskState
+        members = [ws for ws in [self.workers.get(address) for address in pool]
+                   if ws is not None]
+        if not members:
+            return []
+        wanted = None if keys is None else set(keys)
+        mean = sum([ws.nbytes for ws in members]) // len(members)
+        half_gap = int(REBALANCE_HALF_GAP * mean)
+        senders = []  # (-bytes it may still give, address, ws, its results largest first)
+        recipients = []  # (-bytes it may still take, address, ws)
+        for ws in members:
+            if ws.nbytes >= mean + half_gap and ws.nbytes > mean and ws.has_what:
+                ranked = sorted([(-ts.nbytes, i, ts) for i, ts in enumerate(ws.has_what)
+                                 if wanted is None or ts.key in wanted])
+                senders.append((mean - ws.nbytes, ws.address, ws,
+                                [entry[2] for entry in ranked]))
+            elif ws.nbytes < mean - half_gap:
+                recipients.append((ws.nbytes - mean, ws.address, ws))
+        heapq.heapify(senders)
+        heapq.heapify(recipients)
+        moves = []
+        recipient: WorkerState
+        while senders and recipients:
+            give, address, sender, tasks = senders[0]
+            moved = None
+            for i, ts in enumerate(tasks):
+                if ts.nbytes + give > half_gap:
+                    continue  # it would take the sender too far below the mean
+                skipped = []
+                while recipients and moved is None:
+                    take, _, recipient = recipients[0]
+                    if ts.nbytes + take > half_gap:
+                        break  # the neediest recipient cannot take it: none can
+                    heapq.heappop(recipients)
+                    if recipient in ts.who_has:
+                        skipped.append((take, recipient.address, recipient))
+                    else:
+                        moved = (i, recipient, take)
+                for entry in skipped:
+                    heapq.heappush(recipients, entry)
+                if moved is not None:
+                    break
+            if moved is None:
+                heapq.heappop(senders)  # nothing more it can give
+                continue
+            i, recipient, take = moved
+            ts = tasks.pop(i)
+            moves.append((address, recipient.address, ts.key))
+            give += ts.nbytes
+            take += ts.nbytes
+            if give + half_gap < 0 and tasks:
+                heapq.heapreplace(senders, (give, address, sender, tasks))
+            else:
+                heapq.heappop(senders)
+            if take + half_gap < 0:
+                heapq.heappush(recipients, (take, recipient.address, recipient))
+        return moves
+
+    def holders_short(self, keys, pool, n) -> list:
+        """Those of ``keys`` held by fewer than ``n`` of the workers of ``pool``
+        (addresses), unknown keys included, in the order given."""
+        ws: WorkerState
+        ts: TaskState
+        members = set(pool)
+        out = []
+        for key in keys:
+            ts = self.tasks.get(key)
+            held: cython.Py_ssize_t = 0
+            if ts is not None and ts.who_has is not None:
+                for ws in ts.who_has:
+                    if ws.address in members:
+                        held += 1
+            if ts is None or held < n:
+                out.append(key)
+        return out
+
+    def droppable(self, worker, keys) -> list:
+        """Those of ``keys`` whose result ``worker`` still holds along with another
+        worker: the copies `remove_replicas` would drop now."""
+        ws: WorkerState = self.workers.get(worker)
+        ts: TaskState
+        if ws is None:
+            return []
+        out = []
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.who_has is not None and ws in ts.who_has \
+                    and len(ts.who_has) > 1:
+                out.append(key)
+        return out
+
+    def copies_pending(self, copies) -> bool:
+        """Whether any of ``copies`` (``(address, key)`` pairs asked with
+        `acquire_replicas`) is still unanswered by a registered worker."""
+        ws: WorkerState
+        for address, key in copies:
+            ws = self.workers.get(address)
+            if ws is not None and ws.acquiring is not None and key in ws.acquiring:
+                return True
+        return False
+
+    def copies_held(self, copies) -> list:
+        """Those of ``copies`` (``(address, key)`` pairs) whose worker is registered and
+        counts as a holder of the key's result."""
+        ws: WorkerState
+        ts: TaskState
+        out = []
+        for address, key in copies:
+            ws = self.workers.get(address)
+            ts = self.tasks.get(key)
+            if ws is not None and ts is not None and ts.who_has is not None \
+                    and ws in ts.who_has:
+                out.append((address, key))
+        return out
+
+    @cython.cfunc
+    def _least_loaded(self, load: list, ts: TaskState, failed, k: cython.Py_ssize_t) -> list:
+        """The ``k`` (at most) entries of the heap ``load`` (``(bytes, address,
+        WorkerState)``) with the fewest bytes, then the lowest address, whose worker
+        neither holds ``ts`` nor is in ``failed`` (addresses), taken off the heap (the
+        others stay). Only workers it passes over or takes cost a step each."""
+        best = []
+        skipped = []
+        while load and len(best) < k:
+            entry = heapq.heappop(load)
+            if entry[1] in failed or entry[2] in ts.who_has:
+                skipped.append(entry)
+            else:
+                best.append(entry)
+        for entry in skipped:
+            heapq.heappush(load, entry)
+        return best
+
+    @cython.cfunc
+    def _load_back(self, load: list, taken: list, ts: TaskState) -> None:
+        """Put the entries `_least_loaded` took back on the heap, each counting ``ts``'s
+        result as one more it holds."""
+        nbytes: cython.Py_ssize_t = max(ts.nbytes, 0)
+        for entry in taken:
+            heapq.heappush(load, (entry[0] + nbytes, entry[1], entry[2]))
+
     # ------------------------------------------------------------------ work stealing
     #
     # balance() moves tasks that wait behind others on a busy worker (the victim) to a
@@ -1693,6 +2086,19 @@ class SchedulerState:
         worker refused, still processing there)."""
         return {"requests": self.steal_requests, "moved": self.steals_done,
                 "in_flight": len(self._steals), "refused_running": len(self._steal_refused)}
+
+    def balance_wanted(self, worker=None) -> bool:
+        """Whether a `balance` is worth calling now: two workers or more are registered
+        and, given ``worker`` (an address that just reported finished tasks), it is
+        registered and has room with nothing waiting there (no more tasks than threads),
+        so it should not wait for the next periodic balance. A read: no stimulus."""
+        ws: WorkerState
+        if len(self.workers) < 2:
+            return False
+        if worker is None:
+            return True
+        ws = self.workers.get(worker)
+        return ws is not None and len(ws.processing) <= ws.nthreads
 
     @cython.cfunc
     def _spare(self, ws: WorkerState) -> cython.Py_ssize_t:
@@ -2157,8 +2563,9 @@ class SchedulerState:
 
     @cython.cfunc
     def _move(self, ts: TaskState, start: cython.int, finish: cython.int) -> None:
-        """Run the transition ``start -> finish`` (one of _MOVES) on ``ts``: a C switch
-        of direct calls when compiled."""
+        """Run the transition ``start -> finish`` on ``ts``: one case per entry of MOVES,
+        each a direct call when compiled; any other pair raises InvalidTransition before
+        anything changes."""
         if start == _S_WAITING:
             if finish == _S_PROCESSING:
                 self._transition_waiting_processing(ts)
@@ -2168,38 +2575,56 @@ class SchedulerState:
                 self._transition_waiting_no_worker(ts)
             elif finish == _S_RELEASED:
                 self._transition_waiting_released(ts)
-            else:
+            elif finish == _S_ERRED:
                 self._transition_waiting_erred(ts)
+            else:
+                raise _no_move(ts, start, finish)
         elif start == _S_RELEASED:
             if finish == _S_WAITING:
                 self._transition_released_waiting(ts)
             elif finish == _S_FORGOTTEN:
                 self._transition_released_forgotten(ts)
-            else:
+            elif finish == _S_ERRED:
                 self._transition_released_erred(ts)
+            else:
+                raise _no_move(ts, start, finish)
         elif start == _S_PROCESSING:
             if finish == _S_RELEASED:
                 self._transition_processing_released(ts)
             elif finish == _S_WAITING:
                 self._transition_processing_waiting(ts)
-            else:
+            elif finish == _S_ERRED:
                 self._transition_processing_erred(ts)
+            else:
+                raise _no_move(ts, start, finish)
         elif start == _S_MEMORY:
-            self._transition_memory_released(ts)
+            if finish == _S_RELEASED:
+                self._transition_memory_released(ts)
+            else:
+                raise _no_move(ts, start, finish)
         elif start == _S_QUEUED:
             if finish == _S_PROCESSING:
                 self._transition_queued_processing(ts)
-            else:
+            elif finish == _S_RELEASED:
                 self._transition_queued_released(ts)
+            else:
+                raise _no_move(ts, start, finish)
         elif start == _S_NO_WORKER:
             if finish == _S_PROCESSING:
                 self._transition_no_worker_processing(ts)
             elif finish == _S_WAITING:
                 self._transition_no_worker_waiting(ts)
-            else:
+            elif finish == _S_RELEASED:
                 self._transition_no_worker_released(ts)
+            else:
+                raise _no_move(ts, start, finish)
+        elif start == _S_ERRED:
+            if finish == _S_RELEASED:
+                self._transition_erred_released(ts)
+            else:
+                raise _no_move(ts, start, finish)
         else:
-            self._transition_erred_released(ts)
+            raise _no_move(ts, start, finish)
         if self._transition_hook is not None:
             self._transition_hook(self, ts, _NAMES[start], _NAMES[finish])
 
@@ -3417,6 +3842,7 @@ class SchedulerState:
 
 
 def _zero_clock() -> float:
+    """The clock of a core given none (both cores): always 0."""
     return 0.0
 
 
@@ -3463,6 +3889,7 @@ def _urgency_cmp(a: TaskState, b: TaskState) -> cython.int:
 
 
 def _check(condition, message) -> None:
+    """Validation (both cores): InvariantError(message) unless ``condition``."""
     if not condition:
         raise InvariantError(message)
 
@@ -3491,20 +3918,3 @@ def _topological(entries: list, position: dict, known: dict) -> list:
         stuck = [entries[i]["key"] for i in range(n) if pending[i]][:5]
         raise GraphError(f"the graph has a cycle through {bounded_repr(stuck)}")
     return ordered
-
-
-# Every allowed move (start, finish), by name; ``SchedulerState._move`` runs them. Moves
-# missing here go through released.
-MOVES = frozenset([
-    (RELEASED, WAITING), (RELEASED, ERRED), (RELEASED, FORGOTTEN),
-    (WAITING, PROCESSING), (WAITING, QUEUED), (WAITING, NO_WORKER), (WAITING, RELEASED),
-    (WAITING, ERRED),
-    (QUEUED, PROCESSING), (QUEUED, RELEASED),
-    (NO_WORKER, PROCESSING), (NO_WORKER, WAITING), (NO_WORKER, RELEASED),
-    (PROCESSING, RELEASED), (PROCESSING, WAITING), (PROCESSING, ERRED),
-    (MEMORY, RELEASED),
-    (ERRED, RELEASED),
-])
-# MOVES as one bit per (start, finish): bit 8 * start + finish.
-_MOVE_BITS = cython.declare(cython.ulonglong,
-                            sum([1 << (8 * _STATE_INDEX[a] + _STATE_INDEX[b]) for a, b in MOVES]))

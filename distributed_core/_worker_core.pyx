@@ -28,8 +28,11 @@ Rules of this module (everything that decides a task's state on a worker lives h
   was. Outcomes that no longer match the state (a fetch answered after its task was
   freed, an execution of a task put in memory meanwhile) are ignored, never refused:
   they are the ordinary races of a concurrent shell.
-- One table, one engine. ``_TRANSITIONS[start][finish]`` names the function for each
-  allowed move; a transition changes one task and may *recommend* states for others;
+- One table, one engine. ``_TRANSITIONS`` (beside the states, below) lists every allowed
+  move ``start -> finish``; its function is the method
+  ``WorkerCore._transition_<start>_<finish>``, and the engine dispatches through a table
+  built from the list (``_DISPATCH``); a transition changes one task and may *recommend*
+  states for others;
   the engine applies recommendations until none are left, then feeds the executor and
   plans fetches. A move with no entry goes through ``released``. Transitions that carry
   data from a stimulus (a result, a fetched value) are called by that stimulus. A
@@ -86,6 +89,13 @@ InvalidTransition = _core.InvalidTransition
 InvariantError = _core.InvariantError
 TransitionLimitExceeded = _core.TransitionLimitExceeded
 bounded_repr = _core.bounded_repr
+# The input checks and helpers both cores share: one copy, in _core.
+_check = _core._check
+_check_key = _core._check_key
+_check_keys = _core._check_keys
+_check_resources = _core._check_resources
+_check_str = _core._check_str
+_zero_clock = _core._zero_clock
 
 RELEASED = "released"
 WAITING = "waiting"
@@ -102,6 +112,22 @@ WORKER_TASK_STATES = (RELEASED, WAITING, READY, CONSTRAINED, EXECUTING, CANCELLE
 # A task in one of these states has not finished: it needs its inputs (the shell may
 # run it again if its execution was skipped).
 PENDING_STATES = frozenset((WAITING, READY, CONSTRAINED, EXECUTING, CANCELLED))
+
+#: The one list of allowed moves: ``_TRANSITIONS[start]`` holds the states ``start`` may
+#: go to directly, each by the method ``WorkerCore._transition_<start>_<finish>`` (the
+#: engine calls them through ``_DISPATCH``, built from this table below the class). A move
+#: missing here goes through ``released``.
+_TRANSITIONS = {
+    RELEASED: (WAITING, FETCH, EXECUTING, CANCELLED, FORGOTTEN),
+    WAITING: (READY, RELEASED),
+    READY: (EXECUTING, WAITING, CONSTRAINED, RELEASED),
+    CONSTRAINED: (READY, WAITING, RELEASED),
+    EXECUTING: (CANCELLED, WAITING, RELEASED),
+    CANCELLED: (EXECUTING, RELEASED),
+    FETCH: (FLIGHT, RELEASED),
+    FLIGHT: (FETCH, RELEASED),
+    MEMORY: (RELEASED,),
+}
 
 #: Instructions: what the shell must do, in order.
 Execute = namedtuple("Execute", ["key"])
@@ -157,6 +183,10 @@ class WorkerTask:
     reported: cython.bint  # in memory, and the scheduler counts this worker as a holder
     acquire: cython.bint  # the scheduler asked for a copy here (acquire-replicas); unanswered
     executing: cython.bint  # an execution is handed to the executor; its outcome is due
+    # Exactly while executing: the executor is to run its execution. An executor thread
+    # reads it (a plain attribute, atomic under the GIL) to skip an execution cancelled
+    # before it began; only the transitions into and out of executing set it.
+    execution_wanted: cython.bint
     check: cython.bint  # the execution must show its result can be serialized
 
     if not cython.compiled:
@@ -179,42 +209,11 @@ class WorkerTask:
         self.reported = False
         self.acquire = False
         self.executing = False
+        self.execution_wanted = False
         self.check = False
 
     def __repr__(self):
         return f"<WorkerTask {self.key!r} {self.state}>"
-
-
-@cython.cfunc
-def _key_problem(key) -> object:
-    try:
-        hash(key)
-    except Exception:
-        return f"key {bounded_repr(key)} is not hashable"
-    if type(key) is float and key != key:
-        return "a key must not be NaN"
-    return None
-
-
-@cython.cfunc
-def _check_key(key, what: str) -> None:
-    problem = _key_problem(key)
-    if problem is not None:
-        raise InvalidStimulus(f"{what}: {problem}")
-
-
-@cython.cfunc
-def _check_str(value, what: str) -> None:
-    if not isinstance(value, str):
-        raise InvalidStimulus(f"{what} must be a str, not {bounded_repr(value)}")
-
-
-@cython.cfunc
-def _check_keys(keys, what: str) -> None:
-    if not isinstance(keys, _SEQUENCE):
-        raise InvalidStimulus(f"{what}: keys must be a list of keys, not {bounded_repr(keys)}")
-    for key in keys:
-        _check_key(key, what)
 
 
 @cython.cfunc
@@ -228,31 +227,6 @@ def _check_who_has(who_has, what: str) -> None:
                 [isinstance(h, str) for h in holders]):
             raise InvalidStimulus(f"{what}: the holders of {bounded_repr(key, 80)} must be a "
                                   f"non-empty list of addresses, not {bounded_repr(holders)}")
-
-
-@cython.cfunc
-def _is_quantity(value) -> cython.bint:
-    kind = type(value)
-    if kind is int:
-        return 0 <= value <= _INT64_MAX
-    if kind is float:
-        return value >= 0.0 and value != float("inf")
-    return False
-
-
-@cython.cfunc
-def _check_resources(resources, what: str) -> object:
-    """``resources`` as a dict of its own (None if empty), or InvalidStimulus."""
-    if resources is None:
-        return None
-    if type(resources) is not dict:
-        raise InvalidStimulus(f"{what}: resources must be a dict, not {bounded_repr(resources)}")
-    for name, quantity in resources.items():
-        if not isinstance(name, str) or not _is_quantity(quantity):
-            raise InvalidStimulus(f"{what}: resources must map names (str) to non-negative "
-                                  f"finite numbers, not {bounded_repr(name)}: "
-                                  f"{bounded_repr(quantity)}")
-    return dict(resources) if resources else None
 
 
 @cython.cfunc
@@ -369,15 +343,6 @@ def _check_outcome(outcome) -> None:
     elif kind != SKIPPED:
         raise InvalidStimulus(f"executions_done: the kind of an outcome must be 'finished', "
                               f"'erred' or 'skipped', not {bounded_repr(kind)}")
-
-
-def _zero_clock() -> float:
-    return 0.0
-
-
-def _check(condition, message) -> None:
-    if not condition:
-        raise InvariantError(message)
 
 
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -1176,14 +1141,14 @@ class WorkerCore:
         start: str = ts.state
         if start == FORGOTTEN or start == finish:
             return
-        row: dict = _TRANSITIONS[start]
+        row: dict = _DISPATCH[start]
         func = row.get(finish)
         if func is not None:
             func(self, ts)
             self._log(ts, start)
         else:
             to_released = row.get(RELEASED)
-            from_released = _TRANSITIONS[RELEASED].get(finish)
+            from_released = _DISPATCH[RELEASED].get(finish)
             if to_released is None or from_released is None:
                 raise InvalidTransition(f"{ts.key!r}: no transition {start} -> {finish}")
             to_released(self, ts)
@@ -1404,6 +1369,7 @@ class WorkerCore:
             self._leave_flight(ts)
         self._recs.pop(ts, None)
         ts.state = MEMORY
+        ts.execution_wanted = False
         ts.nbytes = nbytes
         ts.who_has = None
         ts.failed = None
@@ -1478,6 +1444,7 @@ class WorkerCore:
 
     def _transition_released_executing(self, ts: WorkerTask) -> None:
         ts.state = EXECUTING
+        ts.execution_wanted = True
 
     def _transition_released_cancelled(self, ts: WorkerTask) -> None:
         ts.state = CANCELLED
@@ -1501,6 +1468,7 @@ class WorkerCore:
     def _transition_ready_executing(self, ts: WorkerTask) -> None:
         self.n_ready -= 1  # popped: its entry is gone
         ts.state = EXECUTING
+        ts.execution_wanted = True
         ts.executing = True
         self.executing_tasks[ts] = None
         ts.check = self.cannot_travel is not None and ts.key in self.cannot_travel
@@ -1540,18 +1508,22 @@ class WorkerCore:
         # Its inputs stay until the outcome: if a compute-task adopts the execution and
         # the executor had skipped it, it runs again with them.
         ts.state = CANCELLED
+        ts.execution_wanted = False
 
     def _transition_executing_waiting(self, ts: WorkerTask) -> None:
         """Its execution was skipped (cancelled, then adopted): it runs again."""
+        ts.execution_wanted = False
         self._rewait(ts)
 
     def _transition_executing_released(self, ts: WorkerTask) -> None:
         self._unlink_dependencies(ts)
         ts.state = RELEASED
+        ts.execution_wanted = False
         self._settle(ts)
 
     def _transition_cancelled_executing(self, ts: WorkerTask) -> None:
         ts.state = EXECUTING
+        ts.execution_wanted = True
 
     def _transition_cancelled_released(self, ts: WorkerTask) -> None:
         self._unlink_dependencies(ts)
@@ -1692,6 +1664,8 @@ class WorkerCore:
                 _check(ts in self.constrained, f"{ts} is constrained but not listed")
         if state == EXECUTING:
             _check(ts.executing and ts.run_spec is not None, f"{ts} executing inconsistently")
+        _check(ts.execution_wanted == (state == EXECUTING),
+               f"{ts}: execution_wanted is {ts.execution_wanted} while {state}")
         if state == CANCELLED:
             _check(ts.run_spec is None, f"{ts} is cancelled but wanted")
         if state == EXECUTING or state == CANCELLED:
@@ -1715,48 +1689,8 @@ class WorkerCore:
             _check(not ts.reported, f"{ts} is reported held while {state}")
 
 
-# Every allowed move: _TRANSITIONS[start][finish]. Moves missing here go via "released".
-_TRANSITIONS = {
-    RELEASED: {
-        WAITING: WorkerCore._transition_released_waiting,
-        FETCH: WorkerCore._transition_released_fetch,
-        EXECUTING: WorkerCore._transition_released_executing,
-        CANCELLED: WorkerCore._transition_released_cancelled,
-        FORGOTTEN: WorkerCore._transition_released_forgotten,
-    },
-    WAITING: {
-        READY: WorkerCore._transition_waiting_ready,
-        RELEASED: WorkerCore._transition_waiting_released,
-    },
-    READY: {
-        EXECUTING: WorkerCore._transition_ready_executing,
-        WAITING: WorkerCore._transition_ready_waiting,
-        CONSTRAINED: WorkerCore._transition_ready_constrained,
-        RELEASED: WorkerCore._transition_ready_released,
-    },
-    CONSTRAINED: {
-        READY: WorkerCore._transition_constrained_ready,
-        WAITING: WorkerCore._transition_constrained_waiting,
-        RELEASED: WorkerCore._transition_constrained_released,
-    },
-    EXECUTING: {
-        CANCELLED: WorkerCore._transition_executing_cancelled,
-        WAITING: WorkerCore._transition_executing_waiting,
-        RELEASED: WorkerCore._transition_executing_released,
-    },
-    CANCELLED: {
-        EXECUTING: WorkerCore._transition_cancelled_executing,
-        RELEASED: WorkerCore._transition_cancelled_released,
-    },
-    FETCH: {
-        FLIGHT: WorkerCore._transition_fetch_flight,
-        RELEASED: WorkerCore._transition_fetch_released,
-    },
-    FLIGHT: {
-        FETCH: WorkerCore._transition_flight_fetch,
-        RELEASED: WorkerCore._transition_flight_released,
-    },
-    MEMORY: {
-        RELEASED: WorkerCore._transition_memory_released,
-    },
-}
+#: The engine's dispatch, built from ``_TRANSITIONS``: ``_DISPATCH[start][finish]`` is the
+#: method of that move (a name in the table without its method fails here, at import).
+_DISPATCH = {start: {finish: getattr(WorkerCore, f"_transition_{start}_{finish}")
+                     for finish in finishes}
+             for start, finishes in _TRANSITIONS.items()}

@@ -4,7 +4,7 @@
   or ``1``; these tests skip when it is unset), and the core came from the matching file:
   the C extension, or ``_core.pyx`` read as Python source.
 - ``distributed_core`` imports only from an allow-list: no I/O, threads, clocks, logging,
-  pickling or randomness, and never ``distributed_server`` (DESIGN.md).
+  pickling or randomness, and never ``distributed_server`` (docs/architecture.md).
 - ``distributed_server`` reaches ``distributed_core`` only through the package root.
 
 The source checks read the checkout next to this file, not the installed copy, so they

@@ -7,15 +7,16 @@
 - builds the futures of a graph's wanted keys, cutting the graph at keys the client
   holds already (`graph_futures`);
 - sends the planned graph slice by slice (`send_plan`) from its turn in the client's
-  ordered outbox (`client_comm.GraphTurn`), so nothing queued after the graph (a cancel,
+  ordered outbox (`scheduler_comm.GraphTurn`), so nothing queued after the graph (a cancel,
   a release) overtakes it: a sync client waits until it is sent, an asynchronous one
   sends it in the background (`sending` holds those sends);
 - is the dask scheduler function that `compute` and `persist` hand to dask
   (`_futures_scheduler`), and `get` with or without dask (a dict graph of legacy
-  ``(func, *args)`` tuples, `taskspec.LegacyGraph`).
+  ``(func, *args)`` tuples, `task_specs.LegacyGraph`).
 
-What it uses of its client: the key table (`Client._hold_graph`, `_hold_present`,
-`_release_later`, `_release_temporary`, `_register`), the connection
+What it uses of its client: the key table, through the client's delegates to its
+`KeyTable` (`Client._hold_graph`, `_hold_present`, `_release_later`,
+`_release_temporary`, `_register`), the connection
 (``client._conn``: `take_turn`, `send_now`, `ping`, `end_turn`), ``client._refusals``
 (graph-refused messages seen), `_check_running`, and the loop (`_loop`, `_on_loop`,
 `_sync`, `_gather`, `gather`).

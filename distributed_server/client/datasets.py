@@ -23,8 +23,8 @@ from collections.abc import MutableMapping
 
 from .primitives import check_name, confirm, dumps_value, graphs_sent, receive
 
-__all__ = ["NO_DEFAULT", "Datasets", "get_dataset", "list_datasets", "publish_dataset",
-           "unpublish_dataset"]
+__all__ = ["NO_DEFAULT", "Datasets", "DatasetsMixin", "get_dataset", "list_datasets",
+           "publish_dataset", "unpublish_dataset"]
 
 
 class _NoDefault:
@@ -170,3 +170,33 @@ class Datasets(MutableMapping):
 
     def __repr__(self) -> str:
         return f"<Datasets of {self._client!r}>"
+
+
+class DatasetsMixin:
+    """The dataset methods of `Client` (one of the classes it is made of): thin, over
+    this module's functions."""
+
+    def publish_dataset(self, *args, **kwargs):
+        """Publish values by name in the scheduler, for every client: ``(value,
+        name="x")``, ``(collection, ...)`` (named by their ``.name``) or ``(x=value,
+        ...)``; all or none. Futures inside stay alive while published. KeyError if a
+        name is published already, unless ``override=True``."""
+        return publish_dataset(self, args, kwargs)
+
+    def get_dataset(self, name: str, default=NO_DEFAULT):
+        """The value published as ``name`` (its Futures now held by this client);
+        ``default`` if there is none, else KeyError."""
+        return get_dataset(self, name, default)
+
+    def list_datasets(self) -> list:
+        """The names of the published datasets."""
+        return list_datasets(self)
+
+    def unpublish_dataset(self, name: str) -> None:
+        """Unpublish ``name`` (nothing happens if it is not published, as in dask)."""
+        return unpublish_dataset(self, name)
+
+    @property
+    def datasets(self) -> Datasets:
+        """The published datasets as a mutable mapping (`Datasets`)."""
+        return Datasets(self)

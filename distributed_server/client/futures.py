@@ -3,8 +3,9 @@
 What this module does
 ---------------------
 - `Future` names a remote result by its key. Many Future objects may share one key; they
-  share one ``KeyState``, counted by reference, and the client sends ``release-keys``
-  when the count drops to zero. A Future reaches its client only through `FutureClient`,
+  share one ``KeyState``, counted by reference by the client's key table
+  (`distributed_server.client.key_table`), and the client sends ``release-keys`` when
+  the count drops to zero. A Future reaches its client only through `FutureClient`,
   the protocol below (hold and release a key, run a coroutine of the client's, wait,
   callbacks), so this module never imports `distributed_server.client.client`.
 - `wait` and `as_completed` work on futures of one client, sync or async.
@@ -197,7 +198,8 @@ _NOT_HERE = object()  # a result that must be waited for or fetched
 @runtime_checkable
 class FutureClient(Protocol):
     """What a `Future` needs from its client (and `wait`, `as_completed` and
-    `distributed_server.client.task_specs` too): `distributed_server.client.client.Client` implements it.
+    `distributed_server.client.task_specs` too): `distributed_server.client.client.Client`
+    implements it.
 
     The members are underscored because users do not call them: they are the contract
     between futures and their client, and nothing in this module reaches further into

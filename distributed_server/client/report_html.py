@@ -6,7 +6,8 @@ What this module does
 dicts) and the scheduler's counters at its start and end into a page: a summary,
 per-prefix and per-worker tables, the counters, and the task stream as an inline SVG
 (one row per worker, tasks that overlap on a worker stacked into lanes, coloured by key
-prefix, failed tasks red; hovering a bar shows its key and times). Everything is
+prefix, failed tasks red; hovering a bar shows its key and times). Tasks are grouped by
+`distributed_core.key_prefix`, the grouping the dashboard shows too. Everything is
 escaped; the file opens offline in any browser.
 
 What it never does
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import collections
 import html
-import re
 import time
 
-__all__ = ["MAX_DRAWN", "key_prefix", "render"]
+from distributed_core import key_prefix
+
+__all__ = ["MAX_DRAWN", "render"]
 
 #: Most task bars drawn (a file stays a few MB); the tables always count every task.
 MAX_DRAWN = 20_000
@@ -29,18 +31,6 @@ _LANE = 12  # px per lane
 _PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
             "#9c755f", "#bab0ac", "#86bcb6")
 _ERRED = "#d62728"
-_TOKEN = re.compile(r"^([0-9a-f]{8,}|\d+)$")
-
-
-def key_prefix(key) -> str:
-    """The name part of a key: ``"inc-5c3a9e..."`` -> ``"inc"``, ``("sum-ab12...", 3)``
-    -> ``"sum"`` (trailing hashes and numbers dropped)."""
-    while isinstance(key, (tuple, list)) and key:
-        key = key[0]
-    parts = str(key).split("-")
-    while len(parts) > 1 and _TOKEN.match(parts[-1]):
-        parts.pop()
-    return "-".join(parts)
 
 
 def render(tasks: list[dict], counters_before: dict, counters_after: dict, start: float,

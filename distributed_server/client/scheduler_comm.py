@@ -10,11 +10,10 @@ What this module does
   (``on_lost``).
 - The outbox: everything the client says to the scheduler goes through it, in order.
   Any thread may `post`: a message (dict), or a key state (`KeyState`) whose reference
-  is dropped; the client's ``release`` says whether that was the key's last one, and
-  consecutive released keys share one ``release-keys`` message (at most
-  `RELEASE_BATCH_KEYS` keys each). The loop drains the outbox in order and is woken
-  once per drain, not per item, so a task always goes out before the release of a
-  future it depends on.
+  is dropped; each run of consecutive key states goes to the client's ``release`` (its
+  key table, which sends the ``release-keys`` messages). The loop drains the outbox in
+  order and is woken once per drain, not per item, so a task always goes out before the
+  release of a future it depends on.
 - `GraphTurn`: a dask graph's place in the outbox. Draining stops there until the
   graph's slices are all sent (`take_turn`, then `end_turn`), so nothing queued after
   the graph (a cancel, a release) overtakes it.
@@ -51,9 +50,6 @@ logger = logging.getLogger("distributed_server.client")
 
 #: Seconds between the client's heartbeats to the scheduler (it answers each one).
 HEARTBEAT_INTERVAL = 5.0
-#: Keys per release-keys message at most: a release of a million futures goes as many
-#: small messages, which the scheduler handles in turns with everyone else's.
-RELEASE_BATCH_KEYS = 10_000
 
 
 class GraphTurn:
@@ -106,12 +102,14 @@ class SchedulerComm:
     """One client's connection to its scheduler, with the ordered outbox.
 
     ``handlers`` maps the ops of the scheduler's messages to the client's callables
-    (``reply``, ``error`` and ``heartbeat`` are handled here); ``release(state)`` drops
-    one reference to a key state and says whether the key is released; ``on_lost(reason)``
-    is called once when the connection ends, closed or lost.
+    (``reply``, ``error`` and ``heartbeat`` are handled here); ``release(states)`` drops
+    one reference to each key state of a run of them taken from the outbox (and sends
+    what that releases); ``on_lost(reason)`` is called once when the connection ends,
+    closed or lost.
     """
 
-    def __init__(self, client_id: str, handlers: dict, release: Callable[[KeyState], bool],
+    def __init__(self, client_id: str, handlers: dict,
+                 release: Callable[[list[KeyState]], None],
                  on_lost: Callable[[Exception], None]) -> None:
         self.client_id = client_id
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -198,35 +196,27 @@ class SchedulerComm:
                 self.loop.call_soon_threadsafe(self.drain)
 
     def drain(self) -> None:
-        """Send what the outbox holds, in order; consecutive releases share a message.
+        """Send what the outbox holds, in order; each run of consecutive key states goes
+        to ``release`` at once (so that their released keys share messages).
 
         A dask graph's turn (`GraphTurn`) stops the draining: its slices go out next,
         and the rest of the outbox after them (`end_turn`).
         """
         self._drain_scheduled = False
         outbox = self._outbox
-        release = self._release
-        released: list = []
         while outbox:
-            if type(outbox[0]) is GraphTurn:
-                if released:
-                    self.send_now({"op": "release-keys", "keys": released})
-                outbox[0].reached()
+            item = outbox[0]
+            if type(item) is GraphTurn:
+                item.reached()
                 return
-            item = outbox.popleft()
             if type(item) is KeyState:
-                if release(item):
-                    released.append(item.key)
-                    if len(released) >= RELEASE_BATCH_KEYS:
-                        self.send_now({"op": "release-keys", "keys": released})
-                        released = []
+                run = []
+                while outbox and type(outbox[0]) is KeyState:
+                    run.append(outbox.popleft())
+                self._release(run)
                 continue
-            if released:
-                self.send_now({"op": "release-keys", "keys": released})
-                released = []
+            outbox.popleft()
             self.send_now(item)
-        if released:
-            self.send_now({"op": "release-keys", "keys": released})
 
     def send_now(self, msg: dict) -> None:
         """Send at once, past the outbox (a graph's slices while it has the turn)."""

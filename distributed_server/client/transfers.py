@@ -54,15 +54,8 @@ class WorkerTransfers:
 
     async def request(self, address: str, msg: dict) -> dict:
         """One request/response with a worker, on a pooled connection."""
-        comm = await self._pool.connection(address, self._hello, timeout=self._timeout)
-        try:
-            await comm.write([msg])
-            reply = (await comm.read())[0]
-        except BaseException:
-            comm.abort()
-            raise
-        self._pool.give_back(address, comm, keep=self._keep())
-        return reply
+        return await self._pool.request(address, self._hello, msg, timeout=self._timeout,
+                                        keep=self._keep)
 
     async def fetch(self, states: list[KeyState], values: dict,
                     who_has: Callable[[list], Awaitable[dict]]) -> list[KeyState]:

@@ -1,8 +1,11 @@
 """Moving results between workers: graceful retirement, replicate and rebalance.
 
 The scheduler server's side of ``Client.retire_workers``, ``Client.replicate`` and
-``Client.rebalance``. It plans with `replica_plans` (reading the state) and acts only
-through the core's stimuli, via the server's ``_stimulus``:
+``Client.rebalance``. The core plans (`SchedulerState` queries: ``workers_to_retire``,
+``copy_recipients``, ``retirement_plan``, ``replication``, ``surplus_holders``,
+``rebalance_moves``, ...: addresses and keys in, addresses and keys out); this module only
+carries the plans out, through the core's stimuli, via the server's ``_stimulus``, and
+reports:
 
 - a copy: ``acquire_replicas(recipient, keys)`` sends the recipient ``acquire-replicas``;
   the recipient fetches each key from its holders and answers once per key, ``add-keys``
@@ -15,8 +18,9 @@ through the core's stimuli, via the server's ``_stimulus``:
   worker that exits cleanly) and its normal departure (``remove_worker``); or
   ``unretire_worker`` when some result could not be copied.
 
-One operation at a time (a lock): plans never race each other. What it never does: write
-into the state, unpickle, or drop the last copy of a result.
+One operation at a time (a lock): plans never race each other. What it never does: read
+the core's tasks or workers (it asks the core), write into the state, unpickle, or drop
+the last copy of a result.
 """
 from __future__ import annotations
 
@@ -24,10 +28,9 @@ import asyncio
 import logging
 import time
 
-from distributed_core import bounded_repr
+from distributed_core import MAX_RECIPIENTS_PER_KEY, bounded_repr
 
 from ..comm import CommClosedError
-from . import replica_plans
 
 logger = logging.getLogger("distributed_server.retirement")
 
@@ -109,10 +112,7 @@ class ReplicaMover:
             keys = list(dict.fromkeys(keys))
         except TypeError:
             raise RequestError("keys must be hashable") from None
-        cs = self.scheduler.state.clients.get(client_id)
-        tasks = self.scheduler.state.tasks
-        foreign = [key for key in keys if key in tasks and (
-            cs is None or tasks[key].who_wants is None or cs not in tasks[key].who_wants)]
+        foreign = self.scheduler.state.keys_not_wanted(client_id, keys)
         _require(not foreign, f"the client does not want {bounded_repr(foreign[:3], 200)}")
         return keys
 
@@ -130,13 +130,13 @@ class ReplicaMover:
                 asked.extend((address, key) for key in keys)
             else:  # (logged) counts as failed, so that no plan asks it again forever
                 refused.update((address, key) for key in keys)
-        while any(_pending(state, address, key) for address, key in asked):
+        while state.copies_pending(asked):
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), POLL_SECONDS)
             except asyncio.TimeoutError:
                 pass
-        copied = {(address, key) for address, key in asked if _holds(state, address, key)}
+        copied = set(state.copies_held(asked))
         return copied, (set(asked) - copied) | refused
 
     def _drop(self, drops: dict) -> None:
@@ -144,21 +144,17 @@ class ReplicaMover:
         there and not the last (checked right before: the state may have moved on)."""
         state = self.scheduler.state
         for address, keys in drops.items():
-            keys = [key for key in keys if _holds(state, address, key)
-                    and len(state.tasks[key].who_has) > 1]
+            keys = state.droppable(address, keys)  # asked right before each drop
             if keys:
                 self.scheduler._stimulus("scheduler", "remove-replicas",
                                          state.remove_replicas, address, keys)
 
     def _pool(self, workers, exclude=()) -> list:
-        """Running, unpaused workers (of ``workers``, if given) that may take copies."""
-        state = self.scheduler.state
-        memory = self.scheduler.worker_memory
-        names = None if workers is None else set(workers)
-        return [ws for address, ws in state.workers.items()
-                if ws.status == "running" and address not in exclude
-                and not memory.get(address, {}).get("paused")
-                and (names is None or address in names or ws.name in names)]
+        """The addresses of the running, unpaused workers (of ``workers``, if given) that
+        may take copies."""
+        paused = [address for address, figures in self.scheduler.worker_memory.items()
+                  if figures.get("paused")]
+        return self.scheduler.state.copy_recipients(workers, exclude, paused)
 
     # ------------------------------------------------------------------ retirement
 
@@ -176,8 +172,9 @@ class ReplicaMover:
             refused = await self._move_unique_results(leaving)
             retired = {}
             figures = self.scheduler.identity()["workers"]
+            present = set(state.registered(leaving))
             for address in leaving:
-                if address not in state.workers:
+                if address not in present:
                     refused.setdefault(address, "it left the cluster during its retirement "
                                                 "(results only it held are recomputed)")
                 elif address in refused:
@@ -188,8 +185,7 @@ class ReplicaMover:
             if close:
                 await self._close(list(retired))
             else:  # it stays registered, taking no task: drop the copies it still holds
-                self._drop({address: [ts.key for ts in state.workers[address].has_what]
-                            for address in retired if address in state.workers})
+                self._drop({address: state.results_held(address) for address in retired})
             for address, why in refused.items():
                 logger.warning("could not retire worker %s: %s", address, why)
             logger.info("retired %d worker(s) in %.2f s%s", len(retired),
@@ -198,20 +194,12 @@ class ReplicaMover:
             return {"retired": retired, "refused": refused}
 
     def _choose(self, workers, n) -> list:
-        state = self.scheduler.state
+        """The addresses to retire (`SchedulerState.workers_to_retire`)."""
         _require(workers is not None or n is not None, "name the workers, or give n")
-        if workers is not None:
-            by_name = {ws.name: address for address, ws in state.workers.items()}
-            chosen = []
-            for worker in workers:
-                address = worker if worker in state.workers else by_name.get(worker)
-                _require(address is not None, f"no worker {bounded_repr(worker, 100)}")
-                chosen.append(address)
-            return [address for address in dict.fromkeys(chosen)
-                    if state.workers[address].status == "running"]
-        running = [ws for ws in state.workers.values() if ws.status == "running"]
-        running.sort(key=lambda ws: (ws.nbytes, len(ws.processing), ws.address))
-        return [ws.address for ws in running[:len(running) if n is None else n]]
+        chosen, unknown = self.scheduler.state.workers_to_retire(workers, n)
+        if unknown:
+            raise RequestError(f"no worker {bounded_repr(unknown[0], 100)}")
+        return chosen
 
     async def _move_unique_results(self, leaving: list) -> dict:
         """Copy every result that only retiring workers hold to other workers, until
@@ -221,17 +209,16 @@ class ReplicaMover:
         refused: dict = {}
         tried: dict = {}  # key -> addresses that failed to copy it
         while True:
-            active = [state.workers[a] for a in leaving if a in state.workers and a not in refused]
-            unique = replica_plans.unique_results(active)
-            if not unique:
-                return refused
+            active = [address for address in leaving if address not in refused]
             recipients = self._pool(None, exclude=set(leaving))
-            plan, stuck = replica_plans.spread(unique, recipients, tried)
+            plan, stuck = state.retirement_plan(active, recipients, tried)
+            if not plan and not stuck:  # no result is held only by retiring workers
+                return refused
             cause = ("no other running worker can take them" if not recipients
-                     else f"{replica_plans.MAX_RECIPIENTS_PER_KEY} workers tried and failed, "
+                     else f"{MAX_RECIPIENTS_PER_KEY} workers tried and failed, "
                           "or none is left to try")
-            for ws, keys in stuck.items():
-                refused[ws.address] = (
+            for address, keys in stuck.items():
+                refused[address] = (
                     f"{len(keys)} result(s) held only there could not be copied to another "
                     f"worker ({cause}; e.g. {bounded_repr(keys[:3], 150)}): it was not "
                     "retired and takes tasks again")
@@ -253,7 +240,7 @@ class ReplicaMover:
                 except CommClosedError:
                     pass  # gone already: its departure is under way
         deadline = time.monotonic() + CLOSE_TIMEOUT
-        while any(address in scheduler.state.workers for address in addresses):
+        while scheduler.state.registered(addresses):
             if time.monotonic() > deadline:
                 for address in addresses:
                     comm = scheduler.worker_comms.get(address)
@@ -280,67 +267,49 @@ class ReplicaMover:
             pool = self._pool(workers)
             n = len(pool) if n is None else min(n, len(pool))
             _require(n >= 1, "no running worker to replicate to")
-            missing = [key for key in keys if key not in state.tasks
-                       or state.tasks[key].state != "memory"]
+            missing = state.keys_not_in_memory(keys)
             if missing:
                 return {"status": "partial-fail", "keys": missing}
-            self._drop(replica_plans.surplus_holders([state.tasks[k] for k in keys], pool, n))
+            self._drop(state.surplus_holders(keys, pool, n))
             tried: dict = {}
             for _ in range(MAX_REPLICATE_ROUNDS):
-                tasks = [state.tasks[k] for k in keys
-                         if k in state.tasks and state.tasks[k].state == "memory"]
-                pool = [ws for ws in pool if state.workers.get(ws.address) is ws]
-                plan = replica_plans.replication(tasks, pool, n, branching_factor, tried)
+                pool = state.registered(pool)
+                plan = state.replication(keys, pool, n, branching_factor, tried)
                 if not plan:
                     break
                 copied, failed = await self.copy(plan)
                 for address, key in failed:
                     tried.setdefault(key, set()).add(address)
-            members = {ws.address for ws in pool}
-            short = [key for key in keys if key not in state.tasks
-                     or sum(ws.address in members for ws in state.tasks[key].who_has or ()) < n]
+            short = state.holders_short(keys, pool, n)
             logger.info("replicated %d key(s) to %d of %d worker(s)%s", len(keys), n,
                         len(pool), f"; {len(short)} short" if short else "")
             return {"status": "partial-fail", "keys": short} if short else {"status": "OK"}
 
     async def rebalance(self, keys, workers) -> dict:
         """Move results from workers holding more bytes than the pool's mean to those
-        holding fewer (`replica_plans.rebalance`): ``{"status": "OK", "moved": n}``, or
+        holding fewer (`SchedulerState.rebalance_moves`): ``{"status": "OK", "moved": n}``, or
         ``{"status": "partial-fail", "keys": [...]}`` naming keys given that are not in
         memory or failed to move."""
         async with self._lock:
             state = self.scheduler.state
             if keys is not None:
-                missing = [key for key in keys if key not in state.tasks
-                           or state.tasks[key].state != "memory"]
+                missing = state.keys_not_in_memory(keys)
                 if missing:
                     return {"status": "partial-fail", "keys": missing}
-            moves = replica_plans.rebalance(self._pool(workers),
-                                            None if keys is None else set(keys))
+            moves = state.rebalance_moves(self._pool(workers), keys)
             plan: dict = {}
-            for _, recipient, ts in moves:
-                plan.setdefault(recipient.address, []).append(ts.key)
+            for _, recipient, key in moves:
+                plan.setdefault(recipient, []).append(key)
             copied, failed = await self.copy(plan)
             drops: dict = {}
-            for sender, recipient, ts in moves:
-                if (recipient.address, ts.key) in copied:
-                    drops.setdefault(sender.address, []).append(ts.key)
+            for sender, recipient, key in moves:
+                if (recipient, key) in copied:
+                    drops.setdefault(sender, []).append(key)
             self._drop(drops)
             logger.info("rebalance moved %d of %d planned result(s)", len(copied), len(moves))
             if failed and keys is not None:
                 return {"status": "partial-fail", "keys": sorted({k for _, k in failed}, key=repr)}
             return {"status": "OK", "moved": len(copied)}
-
-
-def _pending(state, address: str, key) -> bool:
-    ws = state.workers.get(address)
-    return ws is not None and ws.acquiring is not None and key in ws.acquiring
-
-
-def _holds(state, address: str, key) -> bool:
-    ws = state.workers.get(address)
-    ts = state.tasks.get(key)
-    return ws is not None and ts is not None and ts.who_has is not None and ws in ts.who_has
 
 
 def _require(condition: bool, text: str) -> None:

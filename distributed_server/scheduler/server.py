@@ -15,62 +15,70 @@ is validated. A worker whose connection closes, or that stays silent past
 ``worker_ttl``, is removed and its work rescheduled; a client silent past
 ``client_idle_timeout`` is disconnected.
 
-Nannies (`distributed_server.deploy.nanny`) connect with the role ``"nanny"`` and keep the
-scheduler told which workers they supervise. A client's ``restart`` forgets every task
-(the core's ``restart`` stimulus: each client is told its keys were cancelled), asks
-every nanny to restart its workers, and answers once as many workers as before have
-registered again, or after the request's timeout. It is refused, with nothing changed,
-while any worker has no nanny (it could not come back).
+The services the server hosts are objects of their own modules; each registers the client
+ops it answers (its module's ``OPS``) in the server's table of client handlers:
 
-``retire-workers``, ``replicate`` and ``rebalance`` are carried out by `ReplicaMover`
-(retirement.py) through the core's replica stimuli; workers' ``add-keys`` and
-``acquire-failed`` answers become ``replicas_added`` / ``replicas_failed``.
+- client_keys.py: `ClientKeyRequests`, a client's messages about the keys it submitted
+  (``release-keys``, ``desire-keys``, ``cancel``, ``retry``, ``who-has``, ``has-what``,
+  ``fire-and-forget``; huge releases and cancels in slices);
+- restart.py: `RestartService`, ``Client.restart`` through the nannies (the role
+  ``"nanny"``, the nanny registry ``nanny_comms`` / ``nanny_workers``, the count of
+  worker registrations a restart waits on);
+- coordination_service.py: `CoordinationService`, the glue between the client streams
+  and the coordination primitives' state (``coordination``, `Coordination`) and the
+  published datasets (``datasets``): their messages, the keys the pseudo-client
+  ``coordination`` wants for them, their timer, a client's departure;
+- retirement.py: `ReplicaMover`, ``retire-workers``, ``replicate`` and ``rebalance``,
+  through the core's replica stimuli (workers' ``add-keys`` and ``acquire-failed``
+  answers become ``replicas_added`` / ``replicas_failed``);
+- history.py: `HistoryRequests`, ``story``, ``scheduler-logs``, ``worker-logs`` and
+  ``task-stream``, asking the workers through worker_requests.py's `WorkerRequests`;
+- plugins.py: scheduler plugins' hooks and the worker plugins' registry.
 
-The coordination primitives' state (`distributed_server.scheduler.coordination`: variables,
-queues, locks, semaphores, events, pub/sub) is held by composition too: their client
-messages go to `Coordination.handle`, a client's departure to ``client_gone``, and a
-timer to ``expire``; the effects that come back are replies to send and task keys the
-pseudo-client ``coordination`` starts or stops wanting (core stimuli).
+This module keeps the connections (handshakes by role, read loops, departures), the
+stimulus runner and the sending of what stimuli return, the workers' streams (reports,
+heartbeats, work stealing), a graph's intake (``update-graph``, ``update-data``), the
+worker plugins' requests, and what a client reads of the scheduler (``identity``,
+``versions``, `counters`). What the handlers share (`MessageError`, sending quietly, a
+peer's read loop) is in streams.py; the checks of a worker's handshake and heartbeat
+figures in worker_info.py.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import math
 import time
 
 from distributed_core import COMPILED, InvalidStimulus, SchedulerState, __version__, bounded_repr
 
 from .. import config, logs
-from ..comm import Blob, CommClosedError, ProtocolError, listen, parse_address
+from ..comm import Blob, CommClosedError, listen
 from ..diagnostics.heap_trim import HeapTrimmer
 from ..diagnostics.loop_lag import LoopLagMonitor
 from ..diagnostics.task_stream import TaskStream
-from ..protocol import stories
 from ..security import Security, check_listen_security
 from ..versions import essential, mismatches, versions
-from .coordination import COORDINATION_CLIENT, Coordination, CoordinationLimits
-from .coordination import OPS as COORDINATION_OPS
-from .datasets import OPS as DATASET_OPS
-from .datasets import DatasetStore
+from .client_keys import FIRE_AND_FORGET, ClientKeyRequests
+from .client_keys import OPS as CLIENT_KEY_OPS
+from .coordination import COORDINATION_CLIENT, CoordinationLimits
+from .coordination_service import OPS as COORDINATION_OPS
+from .coordination_service import CoordinationService
+from .history import OPS as HISTORY_OPS
+from .history import HistoryRequests
 from .plugins import PluginRequestError, SchedulerPluginHooks, WorkerPluginRegistry
+from .restart import OPS as RESTART_OPS
+from .restart import RestartService
 from .retirement import OPS as REPLICA_OPS
 from .retirement import ReplicaMover
+from .streams import MessageError, log_failure, read_loop, refuse, require, send_quietly
+from .worker_info import NO_MEMORY_FIGURES, memory_figures, worker_handshake
 from .worker_requests import WorkerRequests
 
 logger = logging.getLogger("distributed_server.scheduler")
 
 #: Run specs at least this large go to workers as out-of-band blobs.
 BLOB_MIN_BYTES = 64 * 1024
-#: A restart waits this long for the nannies of workers that joined a moment ago to say
-#: they supervise them (a nanny learns its worker's address after the worker registered).
-NANNY_GRACE_SECONDS = 2.0
-#: Most worker addresses one nanny may name.
-MAX_NANNY_WORKERS = 4096
-#: The client id under which the scheduler wants fire-and-forget keys until they are
-#: done; not printable, so no real client can take it.
-FIRE_AND_FORGET = "fire-and-forget\t"
 #: Longest client id accepted; it must be printable (it appears in the log).
 MAX_CLIENT_ID = 256
 #: A client's batch is handled in turns of about this long; between turns the scheduler
@@ -80,26 +88,6 @@ TURN_SECONDS = 0.02
 #: one stimulus each, so that no single stimulus holds the event loop for long; so are a
 #: restart and the results of a worker that left (``dcore.scheduler.slice-keys``).
 RELEASE_SLICE_KEYS = config.SETTINGS["scheduler.slice-keys"][1]
-
-
-class MessageError(ValueError):
-    """A peer sent a message the scheduler cannot accept."""
-
-
-def _require(condition: bool, text: str) -> None:
-    if not condition:
-        raise MessageError(text)
-
-
-def _keys(msg: dict) -> list:
-    """The message's list of keys, checked hashable before any stimulus sees them."""
-    keys = msg.get("keys")
-    _require(isinstance(keys, (list, tuple)), f"{msg.get('op')!r} needs a list of 'keys'")
-    try:
-        hash(tuple(keys))
-    except TypeError:
-        raise MessageError(f"{msg.get('op')!r}: keys must be hashable") from None
-    return keys
 
 
 class Scheduler:
@@ -159,7 +147,6 @@ class Scheduler:
             check_listen_security(dashboard_host, self.security, insecure, "dashboard")
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
                                     allowed_failures=allowed_failures, clock=time.time)
-        self._validate = validate  # also check the coordination state after its messages
         self.host = host
         self.port = port
         self.worker_ttl = worker_ttl
@@ -173,12 +160,11 @@ class Scheduler:
         self.worker_memory: dict = {}
         self._versions_here = essential()
         self.client_last_seen: dict = {}  # client id -> time.monotonic()
-        self.nanny_comms: dict = {}  # nanny id -> Comm
-        self.nanny_workers: dict = {}  # nanny id -> tuple of the worker addresses it runs
-        self._registrations = 0  # workers registered so far (a restart counts new ones)
-        self._joined: dict = {}  # worker address -> its registration number
-        self._workers_changed = asyncio.Event()  # set when a worker or a nanny comes or goes
-        self._restarting = False
+        #: Client.restart through the nannies (restart.py), and the nanny registry
+        self.restarts = RestartService(self)
+        self.nanny_comms = self.restarts.nanny_comms  # nanny id -> Comm
+        #: nanny id -> tuple of the worker addresses it runs
+        self.nanny_workers = self.restarts.nanny_workers
         self._background: set = set()
         self._worker_requests = WorkerRequests()  # story, logs
         self._listener = None
@@ -201,21 +187,9 @@ class Scheduler:
         self._client_handlers = {
             "update-graph": self._update_graph,
             "update-data": self._update_data,
-            "release-keys": self._release_keys,
-            "desire-keys": self._desire_keys,
-            "cancel": self._cancel,
-            "retry": self._retry,
-            "who-has": self._who_has,
-            "has-what": self._has_what,
-            "fire-and-forget": self._fire_and_forget,
             "versions": self._versions,
             "identity": self._identity,
             "heartbeat": self._client_heartbeat,
-            "restart": self._restart,
-            "story": self._story,
-            "scheduler-logs": self._scheduler_logs,
-            "worker-logs": self._worker_logs,
-            "task-stream": self._task_stream,
             "register-worker-plugin": self._register_worker_plugin,
             "unregister-worker-plugin": self._unregister_worker_plugin,
         }
@@ -224,23 +198,34 @@ class Scheduler:
         #: name -> scheduler plugin added with `add_plugin`
         self.plugins = self._plugin_hooks.plugins
         self._plugin_watchers = self._plugin_hooks.watchers  # non-empty: tell transitions
-        # (the core registers the pseudo-client COORDINATION_CLIENT at its first want)
-        self.coordination = Coordination(self._task_exists, coordination_limits)
-        self._coordination_timer: asyncio.TimerHandle | None = None
-        self._coordination_when = 0.0
-        self.datasets = DatasetStore(self.coordination)  # published datasets
-        for op in COORDINATION_OPS | DATASET_OPS:
-            self._client_handlers[op] = self._coordinate
+        #: the coordination primitives and published datasets (coordination_service.py);
+        #: ``validate`` also checks their state after their messages
+        self.coordination_service = CoordinationService(self, coordination_limits, validate)
+        self.coordination = self.coordination_service.coordination  # `Coordination`
+        self.datasets = self.coordination_service.datasets  # published datasets
         #: retire_workers, replicate, rebalance (retirement.py)
         self.replicas = ReplicaMover(self)
-        for op in REPLICA_OPS:
-            self._client_handlers[op] = self._move_replicas
+        #: story, scheduler and worker logs, task stream (history.py)
+        self.history = HistoryRequests(self, self._worker_requests)
+        #: release-keys, desire-keys, cancel, retry, who-has, has-what, fire-and-forget
+        self.client_keys = ClientKeyRequests(self)
+        self._register(CLIENT_KEY_OPS, self.client_keys.handle)
+        self._register(RESTART_OPS, self.restarts.handle)
+        self._register(COORDINATION_OPS, self.coordination_service.handle)
+        self._register(REPLICA_OPS, self._move_replicas)
+        self._register(HISTORY_OPS, self.history.handle)
+
+    def _register(self, ops, handler) -> None:
+        """Route the client messages ``ops`` to ``handler(client_id, msg)`` (a service's;
+        it may return an awaitable, which the client's batch waits for)."""
+        for op in ops:
+            self._client_handlers[op] = handler
 
     def __repr__(self):
         return (f"<Scheduler {self.address or 'not started'} workers={len(self.worker_comms)}"
                 f" clients={len(self.client_comms)} tasks={len(self.state.tasks)}>")
 
-    async def start(self) -> "Scheduler":
+    async def start(self) -> Scheduler:
         """Listen for workers and clients."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         self._listener = await listen(
@@ -287,14 +272,13 @@ class Scheduler:
         if self._steal_task is not None:
             self._steal_task.cancel()
         self.loop_lag.stop()
-        if self._coordination_timer is not None:
-            self._coordination_timer.cancel()
+        self.coordination_service.close()
         if self._listener is not None:
             await self._listener.stop()
         comms = list(self.client_comms.values())
         if close_workers:
             for comm in [*self.nanny_comms.values(), *self.worker_comms.values()]:
-                _send_quietly(comm, {"op": "close"})
+                send_quietly(comm, {"op": "close"})
             comms += list(self.worker_comms.values())
         comms += list(self.nanny_comms.values())
         await asyncio.gather(*(comm.close(timeout=1.0) for comm in comms),
@@ -321,7 +305,7 @@ class Scheduler:
         elif role == "client":
             await self._serve_client(comm)
         elif role == "nanny":
-            await self._serve_nanny(comm)
+            await self.restarts.serve_nanny(comm, f"nanny-{next(self._ids)}")
         else:
             logger.warning("connection from %s with unknown role %s; closing it",
                            comm.peer_address, bounded_repr(role, 60))
@@ -330,16 +314,16 @@ class Scheduler:
     async def _serve_worker(self, comm) -> None:
         info = comm.extra
         try:
-            address, nthreads, name, resources, dashboard = _worker_info(info,
-                                                                         self.security.scheme)
-            _require(address not in self.worker_comms,
-                     f"a worker at {address} is already registered")
+            address, nthreads, name, resources, dashboard = worker_handshake(
+                info, self.security.scheme)
+            require(address not in self.worker_comms,
+                    f"a worker at {address} is already registered")
             messages = self.state.add_worker(address, nthreads, self._sid("add-worker"),
                                              name=name, resources=resources)
             self.n_stimuli += 1
         except (MessageError, InvalidStimulus) as exc:
             logger.warning("refusing worker from %s: %s", comm.peer_address, exc)
-            await _refuse(comm, str(exc))
+            await refuse(comm, str(exc))
             return
         differ = mismatches(self._versions_here, info.get("versions"))
         if differ:
@@ -349,9 +333,7 @@ class Scheduler:
         if dashboard is not None:
             self.worker_dashboards[address] = dashboard
         self.last_seen[address] = time.monotonic()
-        self._registrations += 1
-        self._joined[address] = self._registrations
-        self._workers_changed.set()
+        self.restarts.worker_joined(address)
         self.worker_plugins.worker_joined(comm)  # set up before its first task
         self._apply(messages)  # only now: they may be for this worker
         logger.info("worker %s joined (%d threads, name %r)", address, nthreads, name)
@@ -360,7 +342,7 @@ class Scheduler:
         if self._plugin_hooks.plugins:
             self._plugin_hooks.call("add_worker", worker=address)
         try:
-            await self._read_loop(comm, address, self._handle_worker_batch)
+            await read_loop(comm, address, self._handle_worker_batch)
         finally:
             del self.worker_comms[address]
             self._worker_requests.worker_left(address)
@@ -371,8 +353,7 @@ class Scheduler:
                            max_keys=self.slice_keys)
             if address in self.state.departing:
                 self._in_background(self._let_go_of_departed(address))
-            self._joined.pop(address, None)
-            self._workers_changed.set()
+            self.restarts.worker_left(address)
             self.replicas.changed()
             logger.info("worker %s left", address)
             if self._plugin_hooks.plugins:
@@ -388,41 +369,6 @@ class Scheduler:
             self._stimulus(address, "remove-worker", self.state.remove_worker, address,
                            max_keys=self.slice_keys)
 
-    async def _serve_nanny(self, comm) -> None:
-        nanny_id = f"nanny-{next(self._ids)}"
-        try:
-            workers = _nanny_workers(comm.extra.get("workers", ()))
-        except MessageError as exc:
-            logger.warning("refusing nanny from %s: %s", comm.peer_address, exc)
-            await _refuse(comm, str(exc))
-            return
-        self.nanny_comms[nanny_id] = comm
-        self.nanny_workers[nanny_id] = workers
-        self._workers_changed.set()
-        logger.info("nanny %s (pid %s) connected from %s", nanny_id,
-                    bounded_repr(comm.extra.get("pid"), 20), comm.peer_address)
-        try:
-            await self._read_loop(comm, nanny_id, self._handle_nanny_batch)
-        finally:
-            del self.nanny_comms[nanny_id]
-            del self.nanny_workers[nanny_id]
-            logger.info("nanny %s left", nanny_id)
-
-    def _handle_nanny_batch(self, nanny_id: str, msgs: list) -> None:
-        """A nanny only says which workers it runs (or that it is alive)."""
-        for msg in msgs:
-            op = msg["op"]
-            if op == "nanny-workers":
-                self.nanny_workers[nanny_id] = _nanny_workers(msg.get("workers"))
-                self._workers_changed.set()
-            elif op != "heartbeat":
-                raise MessageError(f"unknown operation {bounded_repr(op, 60)} from "
-                                   f"{nanny_id}")
-
-    def _workers_without_nanny(self) -> list:
-        supervised = {address for workers in self.nanny_workers.values() for address in workers}
-        return sorted(address for address in self.state.workers if address not in supervised)
-
     async def _serve_client(self, comm) -> None:
         client_id = comm.extra.get("client_id")
         if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID \
@@ -430,7 +376,7 @@ class Scheduler:
                 or client_id == COORDINATION_CLIENT:
             text = f"bad or duplicate client_id {bounded_repr(client_id, 100)}"
             logger.warning("refusing client from %s: %s", comm.peer_address, text)
-            await _refuse(comm, text)
+            await refuse(comm, text)
             return
         self.client_comms[client_id] = comm
         self.client_last_seen[client_id] = time.monotonic()
@@ -439,33 +385,15 @@ class Scheduler:
         if self._plugin_hooks.plugins:
             self._plugin_hooks.call("add_client", client=client_id)
         try:
-            await self._read_loop(comm, client_id, self._handle_client_batch)
+            await read_loop(comm, client_id, self._handle_client_batch)
         finally:
             del self.client_comms[client_id]
             self.client_last_seen.pop(client_id, None)
-            self._apply_coordination(self.coordination.client_gone(client_id))
+            self.coordination_service.client_gone(client_id)
             self._stimulus(client_id, "remove-client", self.state.remove_client, client_id)
             logger.info("client %s left", client_id)
             if self._plugin_hooks.plugins:
                 self._plugin_hooks.call("remove_client", client=client_id)
-
-    async def _read_loop(self, comm, peer: str, handle) -> None:
-        """Read batches until the peer leaves; a bad message closes this comm only."""
-        try:
-            while True:
-                # Not bound to a name: a decoded batch (a whole graph, maybe) must not
-                # stay alive while the loop waits for the next one.
-                pending = handle(peer, await comm.read())
-                if pending is not None:  # a batch handled in turns
-                    await pending
-        except ProtocolError as exc:
-            logger.warning("closing connection to %s: %s", peer, exc)
-        except CommClosedError:
-            pass
-        except MessageError as exc:
-            logger.warning("closing connection to %s after a malformed message: %s", peer, exc)
-        finally:
-            comm.abort()
 
     def _stimulus(self, peer: str, cause: str, stimulus, *args, **kwargs) -> bool:
         """Run one stimulus of the state machine and send what it returns.
@@ -503,7 +431,7 @@ class Scheduler:
         """Tell a client why its message was refused (workers get no replies)."""
         comm = self.client_comms.get(peer)
         if comm is not None:
-            _send_quietly(comm, {"op": "error", "request": cause, "error": str(exc)})
+            send_quietly(comm, {"op": "error", "request": cause, "error": str(exc)})
 
     # ------------------------------------------------------------------ workers
 
@@ -540,10 +468,10 @@ class Scheduler:
                 steals.append((msg.get("key"), msg.get("request"), msg.get("given")))
                 continue
             if op == "heartbeat":
-                self.worker_memory[address] = _memory_figures(msg, address)
+                self.worker_memory[address] = memory_figures(msg, address)
                 comm = self.worker_comms.get(address)
                 if comm is not None:  # the worker's proof that we are alive
-                    _send_quietly(comm, {"op": "heartbeat"})
+                    send_quietly(comm, {"op": "heartbeat"})
                 continue
             if op == "reply":  # to a story or logs request (WorkerRequests)
                 self._worker_requests.answer(address, msg)
@@ -574,14 +502,12 @@ class Scheduler:
         if finished and self._stimulus(address, "task-finished", self.state.task_finished,
                                        address, finished):
             self.task_stream.record(address, finished, True)
-            if self.work_stealing and len(self.state.workers) > 1:
-                ws = self.state.workers.get(address)
-                # nothing waits there: do not wait for the timer (but balance at most
-                # four times an interval: a stream of fast reports must not become a
-                # stream of balances)
-                if ws is not None and len(ws.processing) <= ws.nthreads and \
-                        time.monotonic() - self._last_balance >= self.stealing_interval / 4:
-                    self._balance()
+            # the core says when the worker has room with nothing waiting: then do not wait
+            # for the timer (but balance at most four times an interval: a stream of fast
+            # reports must not become a stream of balances)
+            if self.work_stealing and self.state.balance_wanted(address) and \
+                    time.monotonic() - self._last_balance >= self.stealing_interval / 4:
+                self._balance()
         if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
                                     erred):
             self.task_stream.record(address, erred, False)
@@ -590,11 +516,12 @@ class Scheduler:
                            steals)
 
     async def _steal_loop(self) -> None:
-        """Work stealing: the core's ``balance`` every ``stealing_interval`` while two
-        workers or more are registered (with one, nothing is called)."""
+        """Work stealing: the core's ``balance`` every ``stealing_interval`` while the core
+        says one is wanted (``balance_wanted``: two workers or more are registered; with
+        one, nothing is called)."""
         while True:
             await asyncio.sleep(self.stealing_interval)
-            if len(self.state.workers) > 1:
+            if self.state.balance_wanted():
                 self._balance()
 
     def _balance(self) -> None:
@@ -663,280 +590,13 @@ class Scheduler:
         self._stimulus(client_id, "update-data", self.state.update_data, client_id,
                        msg.get("who_has"), msg.get("nbytes") or {})
 
-    def _release_keys(self, client_id: str, msg: dict):
-        keys = msg.get("keys")
-        if type(keys) not in (list, tuple) or len(keys) <= self.slice_keys:
-            self._stimulus(client_id, "release-keys", self.state.client_releases_keys,
-                           client_id, keys)
-            return None
-        return self._release_keys_in_slices(client_id, keys)
-
-    async def _release_keys_in_slices(self, client_id: str, keys) -> None:
-        """A huge release, one stimulus per slice with a turn for everyone in between.
-
-        Every key is checked first, so a bad key refuses the whole message as a single
-        stimulus would."""
-        try:
-            hash(tuple(keys))
-        except TypeError:
-            self._reply_error(client_id, "release-keys", ValueError("keys must be hashable"))
-            logger.warning("refused 'release-keys' from %s (%s): unhashable keys", client_id,
-                           self._sid("release-keys"))
-            return
-        size = self.slice_keys
-        for i in range(0, len(keys), size):
-            self._stimulus(client_id, "release-keys", self.state.client_releases_keys,
-                           client_id, keys[i:i + size])
-            await asyncio.sleep(0)
-
-    def _desire_keys(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "desire-keys", self.state.client_desires_keys, client_id,
-                       msg.get("keys"))
-
-    def _cancel(self, client_id: str, msg: dict):
-        """The core's cancel; its answer to the canceller carries the request's ``reqid``
-        so the client tells it from a cancel by someone else (``force``)."""
-        reqid = msg.get("reqid")
-        _require(reqid is None or type(reqid) is int, "cancel: reqid must be an int")
-        force = msg.get("force", False) is True
-        keys = msg.get("keys")
-        if type(keys) in (list, tuple) and len(keys) > self.slice_keys:
-            return self._cancel_in_slices(client_id, keys, force, reqid)
-        if self._stimulus(client_id, "cancel", self._tagged_cancel(client_id, reqid),
-                          client_id, keys, force=force) and force and self.coordination.held:
-            self._coordination_keys_lost()  # the pseudo-client's wants may be gone too
-        return None
-
-    def _tagged_cancel(self, client_id: str, reqid, answer: bool = True):
-        """The core's cancel, its answer to ``client_id`` tagged with ``reqid``; without
-        ``answer`` that answer is dropped (the canceller applied the cancel itself and
-        waits for one answer, the last slice's)."""
-        def cancel(*args, **kwargs):
-            client_msgs, worker_msgs = self.state.cancel(*args, **kwargs)
-            if not answer:
-                mine = [m for m in client_msgs.get(client_id, ())
-                        if m.get("op") != "cancelled-keys"]
-                if mine:
-                    client_msgs[client_id] = mine
-                else:
-                    client_msgs.pop(client_id, None)
-            elif reqid is not None:
-                for reply in client_msgs.get(client_id, ()):
-                    if reply.get("op") == "cancelled-keys":
-                        reply["reqid"] = reqid
-            return client_msgs, worker_msgs
-        return cancel
-
-    async def _cancel_in_slices(self, client_id: str, keys, force: bool, reqid) -> None:
-        """A huge cancel, checked whole (a bad key refuses all of it), then one stimulus
-        per slice with a turn for everyone in between."""
-        try:
-            self.state.check_cancel(client_id, keys, force)
-        except InvalidStimulus as exc:
-            logger.warning("refused 'cancel' from %s (%s): %s", client_id,
-                           self._sid("cancel"), exc)
-            self._reply_error(client_id, "cancel", exc)
-            return
-        size = self.slice_keys
-        for i in range(0, len(keys), size):
-            last = i + size >= len(keys)
-            if not self._stimulus(client_id, "cancel",
-                                  self._tagged_cancel(client_id, reqid, answer=last),
-                                  client_id, keys[i:i + size], force=force):
-                return
-            if not last:
-                await asyncio.sleep(0)
-        if force and self.coordination.held:
-            self._coordination_keys_lost()
-
-    def _retry(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "retry", self.state.retry, client_id, msg.get("keys"))
-
     def _client_heartbeat(self, client_id: str, msg: dict) -> None:
         """Answer, so the client knows we are alive (it gives up on a silent scheduler)."""
         comm = self.client_comms.get(client_id)
         if comm is not None:
-            _send_quietly(comm, {"op": "heartbeat"})
+            send_quietly(comm, {"op": "heartbeat"})
 
-    def _restart(self, client_id: str, msg: dict):
-        """``restart {timeout, reqid}``: forget every task, restart every worker through
-        its nanny, answer once as many workers as before are back (or at the timeout).
-
-        The client's later messages are handled after the tasks are forgotten (while the
-        nannies of just-joined workers are awaited, its batch waits); the wait for the
-        workers to come back runs in the background."""
-        reqid, timeout = msg.get("reqid"), msg.get("timeout", 30.0)
-        if type(timeout) not in (int, float) or not 0 < timeout < 1e6:
-            self._reply_failure(client_id, reqid, f"restart: timeout must be a positive "
-                                                  f"number, not {bounded_repr(timeout)}")
-            return None
-        if self._restarting:
-            self._reply_failure(client_id, reqid, "restart: a restart is already under way")
-            return None
-        self._restarting = True
-        return self._restart_begin(client_id, reqid, float(timeout))
-
-    async def _restart_begin(self, client_id: str, reqid, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            grace_end = started + min(NANNY_GRACE_SECONDS, timeout)
-            while self._workers_without_nanny() and loop.time() < grace_end:
-                await asyncio.sleep(0.02)
-            orphans = self._workers_without_nanny()
-            if orphans:
-                text = (f"restart refused: {len(orphans)} worker(s) have no nanny to restart "
-                        f"them: {', '.join(orphans[:10])}{' ...' if len(orphans) > 10 else ''}"
-                        " (started with --no-nanny, or in a LocalCluster(processes=False)); "
-                        "nothing was changed")
-                logger.warning("%s (asked by client %s)", text, client_id)
-                self._reply_failure(client_id, reqid, text)
-                self._restarting = False
-                return
-            n_before, mark = len(self.state.workers), self._registrations
-            forgotten = await self._forget_everything(client_id)
-            self._coordination_keys_lost()
-            if not forgotten:
-                self._reply_failure(client_id, reqid, "restart: the scheduler could not "
-                                                      "forget its tasks (see its log)")
-                self._restarting = False
-                return
-            logger.info("restarting %d workers through %d nannies (asked by client %s)",
-                        n_before, len(self.nanny_comms), client_id)
-            for comm in self.nanny_comms.values():
-                _send_quietly(comm, {"op": "restart-workers",
-                                     "reason": f"Client.restart by {client_id}"})
-        except BaseException:
-            self._restarting = False
-            raise
-        task = loop.create_task(self._restart_wait(client_id, reqid, n_before, mark,
-                                                   started, timeout))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _forget_everything(self, client_id: str) -> bool:
-        """The core's restart in slices of ``slice_keys`` wanted keys, one stimulus
-        each, serving every other peer in between; the last call takes whatever is left
-        (work other clients submit meanwhile is forgotten too)."""
-        wanted = sum(len(cs.wants_what) for cs in self.state.clients.values())
-        last = wanted // self.slice_keys + 10  # then one call without a limit
-        for i in itertools.count():
-            final = i >= last
-            if not self._stimulus(client_id, "restart", self.state.restart,
-                                  max_keys=None if final else self.slice_keys):
-                return False
-            if final or not self.state.tasks:
-                return True
-            await asyncio.sleep(0)
-        return False  # not reached
-
-    async def _restart_wait(self, client_id: str, reqid, n_before: int, mark: int,
-                            started: float, timeout: float) -> None:
-        """Wait until every registered worker joined after the restart began and there
-        are as many as before; then answer the client."""
-        loop = asyncio.get_running_loop()
-        deadline = started + timeout
-        try:
-            while True:
-                fresh = sum(self._joined.get(address, 0) > mark for address in self.state.workers)
-                if fresh == len(self.state.workers) and fresh >= n_before:
-                    status = "OK"
-                    break
-                if loop.time() >= deadline:
-                    status = "timed-out"
-                    break
-                self._workers_changed.clear()
-                try:
-                    await asyncio.wait_for(self._workers_changed.wait(),
-                                           deadline - loop.time())
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self._restarting = False
-        seconds = loop.time() - started
-        log = logger.info if status == "OK" else logger.warning
-        log("restart %s after %.2f s: %d of %d workers are back", status, seconds, fresh,
-            n_before)
-        self._reply(client_id, {"reqid": reqid}, {"status": status, "workers": fresh,
-                                                  "expected": n_before, "seconds": seconds})
-
-    # ------------------------------------------------------------------ introspection
-
-    def _story(self, client_id: str, msg: dict) -> None:
-        """``story {keys, timeout, reqid}``: the scheduler's transitions of these keys and
-        every worker's, sorted by time; workers silent for ``timeout`` are named."""
-        reqid = msg.get("reqid")
-        try:
-            keys = _story_keys(msg.get("keys"))
-            timeout = stories.check_timeout(msg.get("timeout", 5.0))
-        except ValueError as exc:
-            self._reply_failure(client_id, reqid, f"story: {exc}")
-            return
-        entries = self.state.story(*keys)
-        self._in_background(self._story_answer(client_id, reqid, keys, entries, timeout))
-
-    async def _story_answer(self, client_id: str, reqid, keys: list, entries: list,
-                            timeout: float) -> None:
-        answers, silent = await self._worker_requests.ask(
-            dict(self.worker_comms), {"op": "story", "keys": keys}, timeout)
-        wanted = set(keys)
-        checked = {}
-        for address, answer in answers.items():
-            try:
-                checked[address] = stories.check_story_answer(answer, wanted)
-            except ValueError as exc:
-                silent[address] = f"a malformed answer: {exc}"
-        story = stories.merge_stories(entries, checked)
-        told = {entry[0] for entry in story}
-        unknown = [key for key in keys if key not in told and key not in self.state.tasks]
-        self._reply(client_id, {"reqid": reqid},
-                    {"story": story, "silent": silent, "unknown": unknown})
-
-    def _scheduler_logs(self, client_id: str, msg: dict) -> None:
-        """``scheduler-logs {n, reqid}``: this process's last ``n`` log lines."""
-        try:
-            n = logs.check_line_count(msg.get("n"))
-        except ValueError as exc:
-            self._reply_failure(client_id, msg.get("reqid"), f"scheduler-logs: {exc}")
-            return
-        self._reply(client_id, msg, logs.recent_lines(n))
-
-    def _worker_logs(self, client_id: str, msg: dict) -> None:
-        """``worker-logs {n, timeout, reqid}``: every worker's last ``n`` log lines;
-        workers silent for ``timeout`` are named."""
-        reqid = msg.get("reqid")
-        try:
-            n = logs.check_line_count(msg.get("n"))
-            timeout = stories.check_timeout(msg.get("timeout", 5.0))
-        except ValueError as exc:
-            self._reply_failure(client_id, reqid, f"worker-logs: {exc}")
-            return
-        self._in_background(self._worker_logs_answer(client_id, reqid, n, timeout))
-
-    async def _worker_logs_answer(self, client_id: str, reqid, n, timeout: float) -> None:
-        answers, silent = await self._worker_requests.ask(
-            dict(self.worker_comms), {"op": "logs", "n": n}, timeout)
-        lines = {}
-        for address, answer in answers.items():
-            try:
-                lines[address] = stories.check_logs_answer(answer)
-            except ValueError as exc:
-                silent[address] = f"a malformed answer: {exc}"
-        self._reply(client_id, {"reqid": reqid}, {"logs": lines, "silent": silent})
-
-    def _task_stream(self, client_id: str, msg: dict) -> None:
-        """``task-stream {start, stop, reqid}``: the tasks that ran between the two times
-        (None: unbounded), and the scheduler's counters now (`counters`)."""
-        bounds = msg.get("start"), msg.get("stop")
-        if not all(b is None or (type(b) in (int, float) and math.isfinite(b))
-                   for b in bounds):
-            self._reply_failure(client_id, msg.get("reqid"), f"task-stream: start and stop "
-                                f"must be None or numbers, not {bounded_repr(bounds, 100)}")
-            return
-        tasks = [{"key": key, "worker": worker, "start": start, "stop": stop,
-                  "status": "memory" if ok else "erred"}
-                 for _, key, worker, start, stop, ok in self.task_stream.window(*bounds)]
-        self._reply(client_id, msg, {"tasks": tasks, "counters": self.counters()})
+    # ------------------------------------------------------------------ counters
 
     def counters(self) -> dict:
         """The scheduler's running totals, without a walk over tasks: its clock, tasks
@@ -1003,121 +663,20 @@ class Scheduler:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        task.add_done_callback(_log_failure)
+        task.add_done_callback(log_failure)
 
     def _reply_failure(self, client_id: str, reqid, text: str) -> None:
         comm = self.client_comms.get(client_id)
         if comm is not None:
-            _send_quietly(comm, {"op": "reply", "reqid": reqid, "error": text})
+            send_quietly(comm, {"op": "reply", "reqid": reqid, "error": text})
 
-    # ------------------------------------------------------------------ coordination
+    # ------------------------------------------------------------------ replicas, identity
 
     def _move_replicas(self, client_id: str, msg: dict) -> None:
         """``retire-workers``, ``replicate``, ``rebalance``: carried out by
         `ReplicaMover` in the background (the client's later messages are not held up);
         answered when done."""
         self._in_background(self.replicas.handle(client_id, msg))
-
-    def _task_exists(self, key) -> bool:
-        return key in self.state.tasks
-
-    def _coordinate(self, client_id: str, msg: dict) -> None:
-        """A message of a coordination primitive (Variable, Queue, Lock, ...)."""
-        try:
-            effects = self.coordination.handle(client_id, msg, time.monotonic())
-        except Exception:
-            logger.exception("BUG: coordination message %r from %s", msg.get("op"), client_id)
-            return
-        if len(effects) == 1 and "error" in effects[0][-1]:  # refused: nothing changed
-            logger.warning("refused %r from %s: %s", msg["op"], client_id,
-                           effects[0][-1]["error"])
-        self._apply_coordination(effects)
-
-    def _apply_coordination(self, effects: list) -> None:
-        """Carry out what `Coordination` returned, in order; re-arm its timer."""
-        for effect in effects:
-            if effect[0] == "send":
-                _, client_id, msg = effect
-                comm = self.client_comms.get(client_id)
-                if comm is not None:
-                    _send_quietly(comm, msg)
-            elif effect[0] == "hold":
-                self._stimulus(COORDINATION_CLIENT, "coordination-hold",
-                               self.state.client_desires_keys, COORDINATION_CLIENT, effect[1])
-            else:
-                self._stimulus(COORDINATION_CLIENT, "coordination-drop",
-                               self.state.client_releases_keys, COORDINATION_CLIENT, effect[1])
-        if self._validate:
-            self._validate_coordination()
-        self._arm_coordination_timer()
-
-    def _coordination_keys_lost(self) -> None:
-        """Tell the primitives which keys the pseudo-client still wants (after a restart
-        or a forced cancel dropped some of its wants)."""
-        pseudo = self.state.clients.get(COORDINATION_CLIENT)
-        self.coordination.keys_lost(
-            {ts.key for ts in pseudo.wants_what} if pseudo is not None else set())
-        if self._validate:
-            self._validate_coordination()
-
-    def _validate_coordination(self) -> None:
-        """Validation mode: the primitives' bookkeeping is consistent, and the
-        pseudo-client wants exactly the keys they hold (except during a restart)."""
-        try:
-            self.coordination.validate()
-            pseudo = self.state.clients.get(COORDINATION_CLIENT)
-            wanted = {ts.key for ts in pseudo.wants_what} if pseudo is not None else set()
-            if not self._restarting and wanted != set(self.coordination.held):
-                raise AssertionError(f"the pseudo-client wants {bounded_repr(wanted)}, the "
-                                     f"primitives hold {bounded_repr(self.coordination.held)}")
-        except AssertionError:
-            logger.exception("BUG: the coordination state is invalid")
-
-    def _arm_coordination_timer(self) -> None:
-        deadline = self.coordination.next_deadline()
-        timer = self._coordination_timer
-        if deadline is None or (timer is not None and self._coordination_when <= deadline):
-            return
-        if timer is not None:
-            timer.cancel()
-        delay = max(deadline - time.monotonic(), 0.0)
-        self._coordination_when = deadline
-        self._coordination_timer = asyncio.get_running_loop().call_later(
-            delay, self._coordination_expire)
-
-    def _coordination_expire(self) -> None:
-        self._coordination_timer = None
-        self._apply_coordination(self.coordination.expire(time.monotonic()))
-
-    def _who_has(self, client_id: str, msg: dict) -> None:
-        self._reply(client_id, msg, self.state.who_has(_keys(msg)))
-
-    def _has_what(self, client_id: str, msg: dict) -> None:
-        workers = msg.get("workers")
-        if workers is None:
-            workers = list(self.state.workers)
-        _require(type(workers) in (list, tuple) and all(type(w) is str for w in workers),
-                 "has-what: workers must be a list of addresses")
-        result = {}
-        for address in workers:
-            ws = self.state.workers.get(address)
-            result[address] = [ts.key for ts in ws.has_what] if ws is not None else []
-        self._reply(client_id, msg, result)
-
-    def _fire_and_forget(self, client_id: str, msg: dict) -> None:
-        """Keep the keys wanted (by `FIRE_AND_FORGET`) until each is done, whatever
-        their clients do meanwhile."""
-        self._stimulus(client_id, "fire-and-forget", self.state.client_desires_keys,
-                       FIRE_AND_FORGET, _keys(msg))
-
-    def _fired_and_done(self, msgs: list) -> None:
-        """The core told `FIRE_AND_FORGET` that keys are done: it stops wanting them
-        (in a stimulus of its own, after the current one)."""
-        done = [msg["key"] for msg in msgs if msg.get("op") in ("key-in-memory", "task-erred")]
-        if done:
-            asyncio.get_running_loop().call_soon(
-                self._stimulus, FIRE_AND_FORGET, "fire-and-forget-done",
-                self.state.client_releases_keys, FIRE_AND_FORGET, done)
 
     def _versions(self, client_id: str, msg: dict) -> None:
         self._reply(client_id, msg, versions())
@@ -1134,12 +693,12 @@ class Scheduler:
         Read from the counters the state machine keeps, never from a walk over the
         tasks: polling it costs the same with a million tasks as with ten."""
         state = self.state
-        supervised = {address for workers in self.nanny_workers.values() for address in workers}
+        supervised = self.restarts.supervised()
         memory = self.worker_memory
         workers = state.worker_counts()
         for address, figures in workers.items():
             figures["nanny"] = address in supervised
-            figures.update(memory.get(address, _NO_MEMORY_FIGURES))
+            figures.update(memory.get(address, NO_MEMORY_FIGURES))
         counters = state.counters()
         return {"address": self.address, "workers": workers, "compiled": COMPILED,
                 "version": __version__, "n_tasks": counters["tasks"],
@@ -1149,7 +708,7 @@ class Scheduler:
     def _reply(self, client_id: str, msg: dict, result) -> None:
         comm = self.client_comms.get(client_id)
         if comm is not None:
-            _send_quietly(comm, {"op": "reply", "reqid": msg.get("reqid"), "result": result})
+            send_quietly(comm, {"op": "reply", "reqid": msg.get("reqid"), "result": result})
 
     # ------------------------------------------------------------------ sending
 
@@ -1163,12 +722,12 @@ class Scheduler:
         client_msgs, worker_msgs = messages
         for client_id, msgs in client_msgs.items():
             if client_id == FIRE_AND_FORGET:
-                self._fired_and_done(msgs)
+                self.client_keys.fired_and_done(msgs)
                 continue
             comm = self.client_comms.get(client_id)
             if comm is not None:
                 for msg in msgs:
-                    _send_quietly(comm, msg)
+                    send_quietly(comm, msg)
         for address, msgs in worker_msgs.items():
             comm = self.worker_comms.get(address)
             if comm is None:
@@ -1177,96 +736,5 @@ class Scheduler:
                 spec = msg.get("spec")
                 if spec is not None and len(spec) >= BLOB_MIN_BYTES:
                     msg["spec"] = Blob(spec)
-                _send_quietly(comm, msg)
+                send_quietly(comm, msg)
 
-
-def _send_quietly(comm, msg: dict) -> None:
-    """Queue a message; a closed comm is noticed (and cleaned up) by its read loop."""
-    try:
-        comm.send(msg)
-    except CommClosedError:
-        pass
-
-
-async def _refuse(comm, reason: str) -> None:
-    try:
-        await comm.write([{"op": "error", "error": reason}])
-    except CommClosedError:
-        pass
-    comm.abort()
-
-
-def _log_failure(task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("BUG: a background request failed", exc_info=task.exception())
-
-
-def _story_keys(keys) -> list:
-    """The keys of a story request: a list of 1 to MAX_STORY_KEYS hashable keys."""
-    if not isinstance(keys, (list, tuple)) or not 0 < len(keys) <= stories.MAX_STORY_KEYS:
-        raise ValueError(f"keys must be a list of 1 to {stories.MAX_STORY_KEYS} keys, "
-                         f"not {bounded_repr(keys, 100)}")
-    try:
-        hash(tuple(keys))
-    except TypeError:
-        raise ValueError(f"keys must be hashable: {bounded_repr(keys, 100)}") from None
-    return list(keys)
-
-
-def _nanny_workers(workers) -> tuple:
-    """Check a nanny's list of worker addresses."""
-    _require(isinstance(workers, (list, tuple)) and len(workers) <= MAX_NANNY_WORKERS
-             and all(isinstance(a, str) and len(a) <= 1000 for a in workers),
-             f"a nanny's 'workers' must be a list of at most {MAX_NANNY_WORKERS} addresses, "
-             f"not {bounded_repr(workers, 100)}")
-    return tuple(workers)
-
-
-def _worker_info(info: dict, scheme: str) -> tuple:
-    """Check a worker's handshake: (address, nthreads, name, resources, dashboard).
-
-    The state machine checks the values themselves; this checks the message's shape.
-    ``dashboard``, the URL of the worker's HTTP server, is optional."""
-    address = info.get("address")
-    try:
-        _require(parse_address(address)[0] == scheme,
-                 f"a worker of this cluster listens on {scheme}://, not {address!r}")
-    except ValueError as exc:
-        raise MessageError(f"worker handshake needs its listen 'address': {exc}") from None
-    dashboard = info.get("dashboard")
-    _require(dashboard is None or (isinstance(dashboard, str) and len(dashboard) <= 300
-                                   and dashboard.startswith(("http://", "https://"))
-                                   and dashboard.isprintable()),
-             f"a worker's 'dashboard' must be an http(s) URL, not "
-             f"{bounded_repr(dashboard, 100)}")
-    return (address, info.get("nthreads", 1), info.get("name"), info.get("resources"),
-            dashboard)
-
-
-#: A worker's memory figures before its first heartbeat (or from one that sent none).
-_NO_MEMORY_FIGURES = {"memory": None, "managed": None, "spilled": None, "spilled_count": None,
-                      "paused": False, "cpu": None}
-#: The most CPU a heartbeat may claim, in cores.
-_MAX_CPU = 1e5
-
-
-def _memory_figures(msg: dict, address: str) -> dict:
-    """The memory figures of a worker's heartbeat, checked: byte counts are ints from 0
-    to 2**62 or absent/None (unknown), ``paused`` a bool."""
-    figures = {}
-    for name in ("memory", "managed", "spilled", "spilled_count"):
-        value = msg.get(name)
-        _require(value is None or (type(value) is int and 0 <= value <= 2**62),
-                 f"heartbeat from {address}: {name} must be bytes, not "
-                 f"{bounded_repr(value, 60)}")
-        figures[name] = value
-    cpu = msg.get("cpu")
-    _require(cpu is None or (type(cpu) in (int, float) and 0 <= cpu <= _MAX_CPU),
-             f"heartbeat from {address}: cpu must be a number of cores, not "
-             f"{bounded_repr(cpu, 60)}")
-    figures["cpu"] = cpu
-    paused = msg.get("paused", False)
-    _require(type(paused) is bool, f"heartbeat from {address}: paused must be a bool, not "
-                                   f"{bounded_repr(paused, 60)}")
-    figures["paused"] = paused
-    return figures

@@ -71,8 +71,8 @@ class WorkerRequests:
         if future is None or future.done():
             return
         if "error" in msg:
-            future.set_result((False, f"it answered with an error: "
-                                      f"{bounded_repr(msg.get('error'), 300)}"))
+            future.set_result((False, (f"it answered with an error: "
+                                       f"{bounded_repr(msg.get('error'), 300)}")))
         else:
             future.set_result((True, msg.get("result")))
 

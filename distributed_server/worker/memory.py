@@ -15,7 +15,8 @@ Executor threads can make results faster than a reading every `MONITOR_INTERVAL`
 them (a 1-thread worker holds dozens of queued tasks): an `ExecutionGate` counts the
 bytes they produce since the last reading and holds them before their next task once
 that reading plus those bytes pass ``spill`` × limit, until the monitor has looked again
-(and spilled).
+(and spilled). A `MemoryWatch` runs the monitor on the worker's event loop, at once when
+the gate asks, and pauses or resumes the worker.
 
 A queued task's inputs that are on disk are read back by the executor thread when the
 task starts (`SpillBuffer.in_memory` tells which), not when it is queued: a 1-thread
@@ -45,8 +46,8 @@ from ..protocol.serialize import dumps_data, loads_data
 
 logger = logging.getLogger("distributed_server.worker")
 
-__all__ = ["MEMORY_LIMIT_ENV", "MONITOR_INTERVAL", "ExecutionGate", "MemoryMonitor", "SpillBuffer", "SpillDirectory",
-           "check_fractions"]
+__all__ = ["MEMORY_LIMIT_ENV", "MONITOR_INTERVAL", "ExecutionGate", "MemoryMonitor", "MemoryWatch",
+           "SpillBuffer", "SpillDirectory", "check_fractions"]
 
 #: The environment variable through which a worker process gets its memory limit (bytes;
 #: 0 or unset: none), set by the nanny and by `dcore worker`.
@@ -511,6 +512,77 @@ class ExecutionGate:
         """Open for good (the worker is closing: threads must reach their exit)."""
         self.threshold = float("inf")
         self._open.set()
+
+
+class MemoryWatch:
+    """On the worker's event loop: reads the `MemoryMonitor` every `MONITOR_INTERVAL`
+    seconds (sooner while it is behind, at once when the `ExecutionGate` asks), and
+    pauses or resumes the worker when memory crosses ``pause`` × limit.
+
+    ``monitor`` and ``gate`` (None without ``spill`` and ``pause``) are made here, over
+    ``buffer`` (the worker's SpillBuffer, or None). The worker gives ``on_pause`` and
+    ``on_resume``, ``running()`` (False once it closes) and ``busy()`` (outcomes of its
+    executor threads wait for the loop); ``name`` is its address, for the log.
+    """
+
+    def __init__(self, loop, limit: int, buffer, target, spill, pause, *,
+                 on_pause: Callable[[], None], on_resume: Callable[[], None],
+                 running: Callable[[], bool], busy: Callable[[], bool], name: str) -> None:
+        self._loop = loop
+        self.limit = limit
+        self.pause_fraction = pause
+        self._on_pause, self._on_resume = on_pause, on_resume
+        self._running, self._busy = running, busy
+        self._name = name
+        self.monitor = MemoryMonitor(limit, buffer, target, spill, pause)
+        fraction = spill or pause
+        self.gate = (ExecutionGate(fraction * limit, self.request_check, self.monitor.rss)
+                     if fraction else None)
+        self._handle = loop.call_later(MONITOR_INTERVAL, self.check)
+
+    def check(self) -> None:
+        """Read the monitor now (it spills), pause or resume, and schedule the next read."""
+        monitor = self.monitor
+        try:
+            change = monitor.check()
+        except Exception:  # the monitor must keep running
+            logger.exception("BUG: worker %s: memory check failed", self._name)
+            change = None
+        if change is True:
+            logger.warning("worker %s paused: memory %s is over %.0f%% of the limit %s",
+                           self._name, _mb(monitor.memory), 100 * self.pause_fraction,
+                           _mb(self.limit))
+            self._on_pause()
+        elif change is False:
+            logger.warning("worker %s resumed: memory %s is back under %.0f%% of the limit "
+                           "%s", self._name, _mb(monitor.memory), 100 * self.pause_fraction,
+                           _mb(self.limit))
+            self._on_resume()
+        soon = monitor.behind
+        if self.gate is not None:
+            soon = self.gate.checked(monitor.estimate, monitor.behind, self._busy())
+        if self._running():
+            delay = 0.001 if soon else MONITOR_INTERVAL
+            self._handle = self._loop.call_later(delay, self.check)
+
+    def request_check(self) -> None:
+        """From an executor thread (the gate closed): run the monitor on the loop now."""
+        try:
+            self._loop.call_soon_threadsafe(self._check_now)
+        except RuntimeError:  # the loop is closed
+            self.gate.release()
+
+    def _check_now(self) -> None:
+        if not self._running():
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self.check()
+
+    def stop(self) -> None:
+        """No more reads."""
+        if self._handle is not None:
+            self._handle.cancel()
 
 
 def _process_rss() -> Callable[[], int]:

@@ -15,25 +15,15 @@ machine has that key in memory.
   one ``scheduler_messages`` stimulus (their executions start in priority order, their
   inputs are asked of each peer in one request), ``close`` closes. No asyncio Task is
   made per task.
-- Runs tasks on ``nthreads`` daemon executor threads. ``Execute`` puts the task's spec
-  and its inputs' values on a thread-safe queue; the machine hands out at most
-  ``prefetch`` executions, so a late urgent task is never stuck behind thousands. A
-  thread runs ``loads_spec(spec)(inputs)``, builds the report (sized and, when small,
-  pickled inline, on the thread) and appends the outcome to a deque; one
-  ``call_soon_threadsafe`` per burst of outcomes wakes the loop, which turns each into
-  ``execute_success`` / ``execute_failure`` / ``execute_skipped`` (a task cancelled
-  before it began is skipped). Reports leave through the batched ``Comm.send``.
-- Fetches inputs from peer workers (``Fetch``: one ``get-data`` per peer and burst, over
-  pooled connections). Every transfer has a connect timeout, and each frame of the
-  answer a read timeout (``transfer_timeout``, 30 s by default), so a fetch from a hung
-  (SIGSTOPped) peer fails in bounded time and is planned again at once from the next
-  holder, or given back. Large values travel in parts of ``transfer_part_bytes`` (32 MiB)
-  each, so no frame comes near a frame limit.
-- Serves peers and clients on its own listener: ``get-data``, ``put-data`` (clients
-  only), ``ping``. A value it cannot serialize is reported missing with the reason
-  (``errors``) and dropped (``serve_failed``): the scheduler recomputes it, and the
-  recomputation must show that its result serializes, or the task fails with an error
-  naming the key, the type, the size and the cause, instead of looping.
+- Runs tasks on ``nthreads`` daemon executor threads (executor.py): ``Execute`` hands
+  the task's spec and its inputs' values to them; each burst of outcomes comes back as
+  one ``executions_done`` stimulus (a task cancelled before it began is skipped: the
+  core says so on the task). Reports leave through the batched ``Comm.send``.
+- Fetches inputs from peer workers (``Fetch``: one ``get-data`` per peer and burst) and
+  serves peers and clients on its own listener (``get-data``, ``put-data``, ``run``,
+  ``ping``), every step within ``transfer_timeout``, large values in parts
+  (transfers.py); this module turns their outcomes into stimuli (``fetch_done``,
+  ``fetch_failed``, ``peer_gone``, ``serve_failed``, ``data_put``).
 - Sends a heartbeat every ``heartbeat_interval``, with its memory figures; the scheduler
   answers each. A scheduler silent for ``scheduler_timeout`` (60 s) counts as lost, as
   does a closed connection. On losing the scheduler it drops all
@@ -65,8 +55,6 @@ import os
 import socket
 import threading
 import time
-from collections import deque
-from queue import SimpleQueue
 
 import psutil
 
@@ -83,39 +71,39 @@ from distributed_core import (
 )
 
 from .. import config, logs
-from ..comm import (
-    DEFAULT_MAX_FRAME_BYTES,
-    Blob,
-    Comm,
-    CommClosedError,
-    ProtocolError,
-    connect,
-    listen,
-    parse_address,
-)
+from ..comm import DEFAULT_MAX_FRAME_BYTES, Comm, CommClosedError, connect, listen, parse_address
 from ..comm.peer_pool import PeerPool
-from ..plugins import WorkerPluginHost, check_plugin_name
-from ..protocol.serialize import (
-    dumps_data,
-    dumps_error,
-    dumps_inline_result,
-    loads_data,
-    loads_spec,
-    sizeof,
-)
+from ..plugins import WorkerPluginHost
+from ..protocol.serialize import loads_data
 from ..security import Security, check_listen_security
 from ..versions import essential
+from .executor import Executor
 from .memory import (
     MEMORY_LIMIT_ENV,
-    MONITOR_INTERVAL,
     ON_DISK,
     ExecutionGate,
     MemoryMonitor,
+    MemoryWatch,
     SpillBuffer,
     check_fractions,
 )
 from .remote_run import run_packed_call
-from .task_context import enter_task, leave_task, make_client
+from .reports import ResultCannotTravel, finished_report, sizeof_quietly
+from .scheduler_requests import introspection_reply, plugin_reply
+from .task_context import make_client
+from .transfers import (
+    MAX_IDLE_PEER_COMMS,
+    SINGLE_FRAME_REPLY_BYTES,
+    TRANSFER_PART_BYTES,
+    TRANSFER_TIMEOUT_ENV,
+    BadRequest,
+    data_reply,
+    decode_values,
+    describe,
+    fetch_data,
+    refused,
+    serve_requests,
+)
 
 __all__ = ["ResultCannotTravel", "Worker"]
 
@@ -124,38 +112,11 @@ logger = logging.getLogger("distributed_server.worker")
 # Worker status.
 CREATED, RUNNING_STATUS, CLOSING, CLOSED = "created", "running", "closing", "closed"
 
-#: Idle pooled connections kept per peer worker.
-MAX_IDLE_PEER_COMMS = 4
-#: How long close() waits for executor threads to finish their current task.
-THREAD_JOIN_TIMEOUT = 1.0
 #: Most threads a worker may have (the scheduler counts them in 32 bits).
 MAX_THREADS = 2**31 - 1
-#: A result's size is reported clamped to this: a broken __sizeof__ cannot make the
-#: scheduler refuse the report.
-MAX_REPORTED_NBYTES = 2**62
 #: Seconds of silence (the scheduler answers every heartbeat) after which a worker treats
 #: the scheduler as lost: it drops its data and tries to register again.
 SCHEDULER_TIMEOUT = 60.0
-#: Seconds a peer transfer may wait to connect, and for each frame of an answer.
-TRANSFER_TIMEOUT = 30.0
-#: The environment variable that sets the default transfer timeout (``dcore worker``).
-TRANSFER_TIMEOUT_ENV = "DCORE_TRANSFER_TIMEOUT"
-#: Values whose frames are larger than this travel to peer workers in parts of this size.
-TRANSFER_PART_BYTES = 32 * 1024 * 1024
-#: The most a single-frame get-data answer (one that did not ask for parts) may carry.
-SINGLE_FRAME_REPLY_BYTES = DEFAULT_MAX_FRAME_BYTES - 1024 * 1024
-
-# What an execution came to (the kinds of WorkerCore.executions_done).
-_SUCCESS, _FAILURE, _SKIPPED = "finished", "erred", "skipped"
-_EXECUTING = "executing"  # the machine's state of a task whose execution is wanted
-
-
-class ResultCannotTravel(TypeError):
-    """A task's result cannot be serialized, so it cannot reach other workers or clients."""
-
-
-class _BadRequest(ValueError):
-    """A peer sent a request the worker cannot answer; its connection is closed."""
 
 
 class Worker:
@@ -285,19 +246,10 @@ class Worker:
         self._gate: ExecutionGate | None = None
         self.state: WorkerCore | None = None  # made at start, once the address is known
 
-        self._queue: SimpleQueue = SimpleQueue()  # jobs (or None: stop) for the threads
-        self._outcomes: deque = deque()  # (key, kind, value, report) from the threads
-        self._wake_pending = False  # a call_soon_threadsafe to drain outcomes is queued
-        self._stopping = False  # threads skip queued jobs and exit
-        # A thread begins a job only under this lock, and notes its key in _begun (until
-        # its outcome is drained): a steal request, answered under the lock, gives back
-        # a job handed to the threads exactly when no thread began it.
-        self._claim = threading.Lock()
-        self._begun: set = set()
-        self._threads: list = []
-        self._threads_lock = threading.Lock()
-        self._retiring = 0  # executor threads to retire (tasks that rejoined)
+        #: The executor threads (executor.py): jobs in, bursts of outcomes out.
+        self._executor = Executor(self, nthreads, self._executions_done)
         self._task_client = None  # the Client of tasks that launch tasks, made on demand
+        self._client_lock = threading.Lock()  # task threads may ask for it at once
         self._bursts = itertools.count()
         self._sids = itertools.count()  # numbers the shell's stimulus ids
 
@@ -314,7 +266,7 @@ class Worker:
         self._scheduler_comm: Comm | None = None
         self._reader: asyncio.Task | None = None
         self._heartbeat_handle: asyncio.TimerHandle | None = None
-        self._memory_handle: asyncio.TimerHandle | None = None
+        self._memory_watch: MemoryWatch | None = None
         self._close_requested = False
         self._finished = asyncio.Event()
 
@@ -343,7 +295,7 @@ class Worker:
                                 validate=self.validate, clock=time.time,
                                 seed=hash(self.address) & 0xFFFFFFFF)
         self._start_memory_management()
-        self._start_threads()
+        self._executor.start(self._loop, self._gate)
         self.status = RUNNING_STATUS
         try:
             if self.dashboard_address is not None:
@@ -374,9 +326,10 @@ class Worker:
             return
         self.status = CLOSING
         logger.info("worker %s closing", self.address)
-        for handle in (self._heartbeat_handle, self._memory_handle):
-            if handle is not None:
-                handle.cancel()
+        if self._heartbeat_handle is not None:
+            self._heartbeat_handle.cancel()
+        if self._memory_watch is not None:
+            self._memory_watch.stop()
         await self._cancel_tasks()
         if self._listener is not None:
             await self._listener.stop()
@@ -387,7 +340,10 @@ class Worker:
         for comm in self._served:
             comm.abort()
         self._peer_pool.close()
-        await self._stop_threads()
+        busy = await self._executor.stop()
+        if busy:
+            logger.warning("worker %s: %d executor thread(s) still running a task; left "
+                           "behind as daemon threads", self.address, busy)
         if self._task_client is not None:
             await asyncio.to_thread(self._task_client.close)
         self._stimulus(self.state.scheduler_lost, self._sid("worker-closing"))
@@ -428,7 +384,7 @@ class Worker:
 
     def _start_memory_management(self) -> None:
         """With a memory limit: results in a SpillBuffer, and a monitor every
-        MONITOR_INTERVAL seconds that spills and pauses."""
+        MONITOR_INTERVAL seconds that spills and pauses (memory.py)."""
         if not self.memory_limit:
             return
         buffer = None
@@ -438,13 +394,13 @@ class Worker:
             self.data = buffer
             self._discard_data = buffer.discard
             self._peek_input = buffer.in_memory
-        self.memory = MemoryMonitor(self.memory_limit, buffer, self.memory_target_fraction,
-                                    self.memory_spill_fraction, self.memory_pause_fraction)
-        fraction = self.memory_spill_fraction or self.memory_pause_fraction
-        if fraction:
-            self._gate = ExecutionGate(fraction * self.memory_limit, self._request_memory_check,
-                                       self.memory.rss)
-        self._memory_handle = self._loop.call_later(MONITOR_INTERVAL, self._check_memory)
+        self._memory_watch = MemoryWatch(
+            self._loop, self.memory_limit, buffer, self.memory_target_fraction,
+            self.memory_spill_fraction, self.memory_pause_fraction, on_pause=self.pause,
+            on_resume=self.unpause, running=self._running,
+            busy=lambda: bool(self._executor.outcomes), name=self.address)
+        self.memory = self._memory_watch.monitor
+        self._gate = self._memory_watch.gate
 
     def _pop_data(self, key) -> None:
         self.data.pop(key, None)
@@ -454,46 +410,7 @@ class Worker:
         ts = self.state.tasks.get(key)
         if ts is not None and ts.nbytes >= 0:
             return ts.nbytes
-        return _sizeof_quietly(value)
-
-    def _check_memory(self) -> None:
-        try:
-            change = self.memory.check()
-        except Exception:  # noqa: BLE001 - the monitor must keep running
-            logger.exception("BUG: worker %s: memory check failed", self.address)
-            change = None
-        limit = self.memory_limit
-        if change is True:
-            logger.warning("worker %s paused: memory %s is over %.0f%% of the limit %s",
-                           self.address, _mib(self.memory.memory),
-                           100 * self.memory_pause_fraction, _mib(limit))
-            self.pause()
-        elif change is False:
-            logger.warning("worker %s resumed: memory %s is back under %.0f%% of the limit "
-                           "%s", self.address, _mib(self.memory.memory),
-                           100 * self.memory_pause_fraction, _mib(limit))
-            self.unpause()
-        soon = self.memory.behind
-        if self._gate is not None:
-            soon = self._gate.checked(self.memory.estimate, self.memory.behind,
-                                      bool(self._outcomes))
-        if self.status == RUNNING_STATUS:
-            delay = 0.001 if soon else MONITOR_INTERVAL
-            self._memory_handle = self._loop.call_later(delay, self._check_memory)
-
-    def _request_memory_check(self) -> None:
-        """From an executor thread (the gate closed): run the monitor on the loop now."""
-        try:
-            self._loop.call_soon_threadsafe(self._check_memory_now)
-        except RuntimeError:  # the loop is closed
-            self._gate.release()
-
-    def _check_memory_now(self) -> None:
-        if self.status != RUNNING_STATUS:
-            return
-        if self._memory_handle is not None:
-            self._memory_handle.cancel()
-        self._check_memory()
+        return sizeof_quietly(value)
 
     async def __aenter__(self):
         if self.status == CREATED:
@@ -553,7 +470,7 @@ class Worker:
         discard = self._discard_data
         send = self._send
         tasks = self.state.tasks
-        put = self._queue.put
+        put = self._executor.put
         peek = self._peek_input
         for ins in instructions:
             kind = type(ins)
@@ -580,7 +497,7 @@ class Worker:
                 self._start_fetch(ins.peer, ins.keys)
             elif kind is ReportHeld:
                 now = time.time()
-                send(_finished_report(ins.key, data[ins.key], now, now))
+                send(finished_report(ins.key, data[ins.key], now, now))
             else:  # pragma: no cover - the machine makes only the kinds above
                 raise TypeError(f"unknown instruction {ins!r}")
 
@@ -663,62 +580,32 @@ class Worker:
             elif op == "close":
                 self._close_requested = True
             elif op == "story" or op == "logs":
-                self._send(self._introspection_reply(msg))
+                self._send(introspection_reply(self.state, msg))
             elif op == "plugin-add" or op == "plugin-remove":
                 self._plugin_message(msg)
             elif op != "heartbeat":  # the scheduler's answer to ours: it is alive
                 logger.warning("worker %s ignores unknown operation %r from the scheduler",
                                self.address, op)
         if steals:  # no thread may begin a job while the machine decides what to give
-            with self._claim:
-                self._scheduler_messages(tasks, self._begun)
+            with self._executor.claim:
+                self._scheduler_messages(tasks, self._executor.begun)
         elif tasks:
             self._scheduler_messages(tasks)
 
     def _plugin_message(self, msg: dict) -> None:
-        """``plugin-add {name, plugin, reqid?}`` / ``plugin-remove {name, reqid?}``: install
-        or remove a worker plugin (plugins.py) and answer with the outcome; a plugin
-        whose hooks are plain functions is set up before the tasks that follow it."""
-        reqid = msg.get("reqid")
-        try:
-            name = check_plugin_name(msg.get("name"))
-            data = msg.get("plugin")
-            if msg["op"] == "plugin-add" and not isinstance(data, (bytes, memoryview)):
-                raise TypeError("plugin-add needs the plugin's pickle as bytes")
-        except TypeError as exc:
-            self._send({"op": "reply", "reqid": reqid, "error": str(exc)})
-            return
-        if msg["op"] == "plugin-add":
-            outcome = self._plugin_host.add(name, data)
-        else:
-            outcome = self._plugin_host.remove(name)
-        if not inspect.isawaitable(outcome):
-            self._send({"op": "reply", "reqid": reqid, "result": outcome})
+        """Install or remove a worker plugin and answer (scheduler_requests.py); a plugin
+        whose hooks are coroutines is answered once they are done."""
+        reply = plugin_reply(self._plugin_host, msg)
+        if not inspect.isawaitable(reply):
+            self._send(reply)
             return
 
         async def answer_when_done():
-            self._send({"op": "reply", "reqid": reqid, "result": await outcome})
+            self._send(await reply)
 
         task = self._loop.create_task(answer_when_done())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def _introspection_reply(self, msg: dict) -> dict:
-        """The answer to the scheduler's ``story {keys, reqid}`` (this worker's transitions
-        of the keys) or ``logs {n, reqid}`` (its last n log lines)."""
-        reply = {"op": "reply", "reqid": msg.get("reqid")}
-        try:
-            if msg["op"] == "story":
-                keys = msg.get("keys")
-                if not isinstance(keys, (list, tuple)):
-                    raise ValueError("story needs a list of keys")
-                hash(tuple(keys))
-                reply["result"] = self.state.story(*keys)
-            else:
-                reply["result"] = logs.recent_lines(logs.check_line_count(msg.get("n")))
-        except (TypeError, ValueError) as exc:
-            reply["error"] = f"{type(exc).__name__}: {exc}"
-        return reply
 
     def _scheduler_messages(self, msgs: list, begun=None) -> None:
         """One stimulus for the task messages of a frame; if the machine refuses the
@@ -779,111 +666,34 @@ class Worker:
                     "cpu": self._process.cpu_percent(None) / 100})
         self._heartbeat_handle = self._loop.call_later(self.heartbeat_interval, self._heartbeat)
 
-    # ------------------------------------------------------------------ execution
-
-    def _start_threads(self) -> None:
-        for i in range(self.nthreads):
-            thread = threading.Thread(target=self._execute_jobs, daemon=True,
-                                      name=f"dcore-worker-{i}")
-            thread.start()
-            self._threads.append(thread)
-
-    def _execute_jobs(self) -> None:
-        """An executor thread: run queued jobs, append outcomes, wake the loop per burst."""
-        get = self._queue.get
-        append = self._outcomes.append
-        loop = self._loop
-        drain = self._drain_outcomes
-        gate = self._gate
-        stopping = self._is_stopping
-        while True:
-            job = get()
-            if job is None:
-                return
-            if gate is not None and not gate.is_open:
-                gate.wait(stopping)
-            extra = False
-            with self._claim:
-                begin = not self._stopping and job[1].state == _EXECUTING
-                if begin:
-                    self._begun.add(job[0])
-            if not begin:
-                append((job[0], _SKIPPED, None, None))  # cancelled before it began
-            else:
-                enter_task(self, job[0])
-                try:
-                    outcome = _run_job(job)
-                    append(outcome)
-                    if gate is not None and outcome[1] is _SUCCESS:
-                        gate.produced(outcome[3]["nbytes"])
-                    del outcome
-                finally:
-                    extra = leave_task()  # seceded: another thread took this one's place
-            del job
-            if not self._wake_pending:
-                self._wake_pending = True
-                try:
-                    loop.call_soon_threadsafe(drain)
-                except RuntimeError:  # the loop is closed: nobody wants the outcome
-                    return
-            if extra or self._retire_one():
-                return
-
-    def _is_stopping(self) -> bool:
-        return self._stopping
-
-    def _retire_one(self) -> bool:
-        """True for one executor thread per rejoined task: it leaves the pool."""
-        if not self._retiring:
-            return False
-        with self._threads_lock:
-            if self._retiring:
-                self._retiring -= 1
-                return True
-        return False
-
     # ------------------------------------------------------------------ tasks that launch tasks
 
     def task_seceded(self, key) -> None:
         """From a task's thread (task_context.secede): start an executor thread in its
         place and tell the scheduler the task no longer holds a thread."""
-        with self._threads_lock:
-            thread = threading.Thread(target=self._execute_jobs, daemon=True,
-                                      name=f"dcore-worker-{len(self._threads)}")
-            self._threads.append(thread)
-        thread.start()
+        self._executor.seceded()
         self._loop.call_soon_threadsafe(self._send, {"op": "long-running", "key": key})
 
     def task_rejoined(self) -> None:
         """From a task's thread (task_context.rejoin): it is an executor thread again,
         so one other executor thread retires after its current task."""
-        with self._threads_lock:
-            self._retiring += 1
+        self._executor.rejoined()
 
     def task_client(self, timeout: float | None = None):
         """The Client that tasks on this worker share (client/worker_client.get_client)."""
-        with self._threads_lock:
+        with self._client_lock:
             if self._task_client is None or self._task_client.status == "closed":
                 self._task_client = make_client(
                     self.scheduler_address, security=self.security, set_as_default=False,
                     timeout=timeout or self.connect_timeout, name=f"worker-{self.address}")
             return self._task_client
 
-    def _drain_outcomes(self) -> None:
-        """On the loop: the outcomes the threads produced, as one stimulus."""
-        # cleared before draining: an outcome appended from now on schedules a new call
-        self._wake_pending = False
-        outcomes = self._outcomes
-        begun = self._begun
+    # ------------------------------------------------------------------ execution outcomes
+
+    def _executions_done(self, burst: list) -> None:
+        """On the loop: a burst of outcomes from the executor threads, as one stimulus."""
         if self.status != RUNNING_STATUS:
-            while outcomes:
-                begun.discard(outcomes.popleft()[0])
             return
-        burst = []
-        while outcomes:
-            outcome = outcomes.popleft()
-            begun.discard(outcome[0])
-            burst.append(outcome)
         sid = f"executor-{next(self._bursts)}"
         try:
             instructions = self.state.executions_done(burst, sid)
@@ -898,21 +708,6 @@ class Worker:
         del burst
         self._apply(instructions)
 
-    async def _stop_threads(self) -> None:
-        """Tell the threads to stop; wait briefly for those busy with a task."""
-        self._stopping = True
-        if self._gate is not None:
-            self._gate.release()
-        for _ in self._threads:
-            self._queue.put(None)
-        deadline = time.monotonic() + THREAD_JOIN_TIMEOUT
-        while any(t.is_alive() for t in self._threads) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        busy = sum(t.is_alive() for t in self._threads)
-        if busy:
-            logger.warning("worker %s: %d executor thread(s) still running a task; left "
-                           "behind as daemon threads", self.address, busy)
-
     # ------------------------------------------------------------------ fetching from peers
 
     def _start_fetch(self, peer: str, keys: list) -> None:
@@ -921,134 +716,52 @@ class Worker:
         task.add_done_callback(self._background.discard)
 
     async def _fetch_from(self, peer: str, keys: list) -> None:
-        """One get-data request to one peer, every step within ``transfer_timeout``;
-        then its outcome becomes a stimulus."""
-        comm = None
-        deadline = None
+        """One get-data request to one peer (transfers.py); then its outcome becomes a
+        stimulus."""
         failure: BaseException | None = None
         try:
-            comm = await self._peer_comm(peer)
-            deadline = _Deadline(self._loop, comm, self.transfer_timeout)
-            try:
-                deadline.arm()
-                await comm.write([{"op": "get-data", "keys": keys, "parts": True}])
-                frames, missing, nbytes, errors = await self._read_data_reply(comm, deadline)
-            except CommClosedError:
-                deadline.check()  # a timeout aborted the connection: say so
-                raise
-            deadline.cancel()
-            self._peer_pool.give_back(peer, comm, keep=self.status == RUNNING_STATUS)
-            comm = None
+            frames, missing, nbytes, errors = await fetch_data(
+                self._peer_pool, peer, {"role": "worker", "address": self.address}, keys,
+                connect_timeout=self.connect_timeout, transfer_timeout=self.transfer_timeout,
+                max_frame_bytes=self.peer_max_frame_bytes, keep=self._running)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure means: try another holder
             failure = exc
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-            if comm is not None:  # a failed exchange leaves the connection unusable
-                comm.abort()
         if self.status != RUNNING_STATUS:
             return
         if failure is not None:
             sid = self._sid(f"fetch-failed-{peer}")
             logger.warning("worker %s could not fetch %d key(s) from %s (%s): %s; keys %s",
-                           self.address, len(keys), peer, sid, _describe(failure),
+                           self.address, len(keys), peer, sid, describe(failure),
                            bounded_repr(keys, 200))
-            if _refused(failure):
+            if refused(failure):
                 self._stimulus(self.state.peer_gone, peer, self._sid(f"peer-gone-{peer}"))
             self._stimulus(self.state.fetch_failed, peer, keys, sid)
             return
         sid = self._sid(f"fetched-{peer}")
-        values: dict = {}
-        for key, parts in frames.items():
-            try:
-                values[key] = loads_data(parts)
-            except Exception as exc:  # noqa: BLE001 - this key only: try another holder
-                logger.warning("worker %s cannot deserialize %s from %s (%s): %s",
-                               self.address, bounded_repr(key), peer, sid, _describe(exc))
+        values, undecodable = decode_values(frames)
+        for key, exc in undecodable.items():
+            logger.warning("worker %s cannot deserialize %s from %s (%s): %s",
+                           self.address, bounded_repr(key), peer, sid, describe(exc))
         missing = [key for key in keys if key not in values]
         self._stimulus(self.state.fetch_done, peer, values, missing, sid,
                        nbytes=nbytes or None, errors=errors or None)
 
-    async def _read_data_reply(self, comm: Comm, deadline: _Deadline) -> tuple:
-        """The answer to a get-data that asked for parts: ``(frames by key, missing,
-        nbytes, errors)``. Each frame must arrive within ``transfer_timeout``."""
-        deadline.arm()
-        reply = (await comm.read())[0]
-        if reply.get("op") != "data" or type(reply.get("data")) is not dict:
-            raise _BadRequest(f"get-data answered with {reply.get('op')!r}")
-        frames = dict(reply["data"])
-        parts = reply.get("parts") or {}
-        if type(parts) is not dict:
-            raise _BadRequest("get-data answered with malformed parts")
-        for key, lengths in parts.items():
-            buffers = []
-            for length in lengths:
-                buffer = bytearray()  # grows as parts arrive, never to the announced size
-                while len(buffer) < length:
-                    deadline.arm()
-                    part = (await comm.read())[0]
-                    if part.get("op") != "data-part" or part.get("key") != key:
-                        raise _BadRequest(f"expected a part of {key!r}, got {part.get('op')!r}")
-                    buffer += part["blob"]
-                    if len(buffer) > length:
-                        raise _BadRequest(f"the parts of {key!r} exceed {length} bytes")
-                buffers.append(buffer)
-            frames[key] = buffers
-        nbytes = reply.get("nbytes")
-        errors = reply.get("errors")
-        return (frames, reply.get("missing") or (),
-                nbytes if type(nbytes) is dict else None,
-                errors if type(errors) is dict else None)
-
-    async def _peer_comm(self, peer: str) -> Comm:
-        return await self._peer_pool.connection(
-            peer, {"role": "worker", "address": self.address},
-            timeout=min(self.connect_timeout, self.transfer_timeout),
-            max_frame_bytes=self.peer_max_frame_bytes)
+    def _running(self) -> bool:
+        return self.status == RUNNING_STATUS
 
     # ------------------------------------------------------------------ serving peers
 
     async def _serve_peer(self, comm: Comm) -> None:
-        """Answer a peer's requests, one reply frame per request frame (then the parts
-        of large values, for a get-data that asked for them)."""
+        """Answer a peer's requests on its connection until it leaves (transfers.py)."""
         self._served.add(comm)
-        timeout = self.transfer_timeout
-        deadline = _Deadline(self._loop, comm, timeout)
         try:
-            while True:
-                msgs = await comm.read()  # an idle connection may wait: the peer pools it
-                replies, parts = [], []
-                for msg in msgs:
-                    if msg.get("op") == "run":
-                        replies.append(await self._run_function(comm, msg))
-                        continue
-                    reply, more = self._answer(comm, msg)
-                    replies.append(reply)
-                    parts.extend(more)
-                deadline.arm()  # a peer that takes no data for this long is dropped
-                await comm.write(replies)
-                del replies
-                for msg in _parts(parts, self.transfer_part_bytes):
-                    deadline.arm()
-                    await comm.write([msg])
-                deadline.cancel()
-                del parts
-        except ProtocolError as exc:
-            logger.warning("worker %s: closing connection from %s: %s",
-                           self.address, comm.peer_address, exc)
-        except CommClosedError:
-            if deadline.expired:
-                logger.warning("worker %s: %s took no data for %.1fs; closing the connection",
-                               self.address, comm.peer_address, timeout)
-        except Exception as exc:  # noqa: BLE001 - a bad request closes this connection only
-            logger.warning("worker %s: closing connection from %s after a bad request: %s",
-                           self.address, comm.peer_address, _describe(exc))
+            await serve_requests(comm, self._answer, self._run_function,
+                                 part_bytes=self.transfer_part_bytes,
+                                 timeout=self.transfer_timeout, address=self.address)
         finally:
-            deadline.cancel()
             self._served.discard(comm)
-            comm.abort()
 
     def _answer(self, comm: Comm, msg: dict) -> tuple:
         """``(reply, parts to send after it)`` for one request."""
@@ -1057,234 +770,51 @@ class Worker:
             return self._get_data(msg)
         if op == "put-data":
             if comm.extra.get("role") != "client":  # workers only ever read from peers
-                raise _BadRequest(f"put-data from a {comm.extra.get('role')!r} connection")
+                raise BadRequest(f"put-data from a {comm.extra.get('role')!r} connection")
             return self._put_data(msg), ()
         if op == "ping":
             return {"op": "pong"}, ()
-        raise _BadRequest(f"unknown operation {op!r}")
+        raise BadRequest(f"unknown operation {op!r}")
 
     async def _run_function(self, comm: Comm, msg: dict) -> dict:
         """``Client.run``: call the client's function here (remote_run.py)."""
         if comm.extra.get("role") != "client":
-            raise _BadRequest(f"run from a {comm.extra.get('role')!r} connection")
+            raise BadRequest(f"run from a {comm.extra.get('role')!r} connection")
         payload = msg.get("function")
         if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise _BadRequest("run needs the pickled function")
+            raise BadRequest("run needs the pickled function")
         return await run_packed_call(payload, self)
 
     def _get_data(self, msg: dict) -> tuple:
-        """The answer to get-data: ``({"op": "data", "data", "missing", ...}, parts)``.
-
-        With ``"parts": true`` (workers), values larger than ``transfer_part_bytes`` are
-        announced in ``parts`` (``{key: [frame lengths]}``) and follow as ``data-part``
-        frames; without it (clients), the answer is one frame, and a value that would
-        make it larger than ``single_frame_reply_bytes`` is reported missing with the
-        reason in ``errors``. A value that cannot be serialized is reported missing with
-        the reason, and dropped (``serve_failed``)."""
-        keys = msg.get("keys")
-        if not isinstance(keys, (list, tuple)):
-            raise _BadRequest("'get-data' needs a list of 'keys'")
-        in_parts = msg.get("parts") is True
-        budget = self.transfer_part_bytes if in_parts else self.single_frame_reply_bytes
-        data, missing, parts, announced, nbytes = {}, [], [], {}, {}
-        errors: dict = {}
-        failed: dict = {}
-        tasks = self.state.tasks
-        inline = 0
-        for key in keys:
-            try:
-                value = self.data[key]
-            except (KeyError, TypeError):
-                missing.append(key)
-                continue
-            try:
-                frames = dumps_data(value)
-            except Exception as exc:  # noqa: BLE001 - the value cannot travel: say why
-                missing.append(key)
-                errors[key] = failed[key] = _cannot_travel_text(key, value, exc)
-                continue
-            size = sum(memoryview(frame).nbytes for frame in frames)
-            ts = tasks.get(key)
-            if ts is not None and ts.nbytes >= 0:
-                nbytes[key] = ts.nbytes
-            if inline + size <= budget:
-                data[key] = [Blob(frame) for frame in frames]
-                inline += size
-            elif in_parts:
-                announced[key] = [memoryview(frame).nbytes for frame in frames]
-                parts.append((key, frames))
-            else:
-                missing.append(key)
-                errors[key] = (f"{bounded_repr(key)} ({type(value).__name__}, {size} bytes "
-                               f"serialized) does not fit in one frame of at most "
-                               f"{self.single_frame_reply_bytes} bytes: ask for it alone, "
-                               f"or in parts")
+        """The answer to get-data (transfers.data_reply): ``(reply, parts)``. A value that
+        cannot be serialized is reported missing with the reason, and dropped
+        (``serve_failed``)."""
+        reply, parts, failed = data_reply(
+            msg.get("keys"), self.data, self.state.tasks, in_parts=msg.get("parts") is True,
+            part_bytes=self.transfer_part_bytes,
+            single_frame_bytes=self.single_frame_reply_bytes)
         if failed:
             sid = self._sid("serve-failed")
-            for key, text in failed.items():
+            for text in failed.values():
                 logger.warning("worker %s (%s): %s", self.address, sid, text)
             self._stimulus(self.state.serve_failed, failed, sid)
-        reply = {"op": "data", "data": data, "missing": missing}
-        if nbytes:
-            reply["nbytes"] = nbytes
-        if errors:
-            reply["errors"] = errors
-        if announced:
-            reply["parts"] = announced
         return reply, parts
 
     def _put_data(self, msg: dict) -> dict:
         items = msg.get("data")
         if not isinstance(items, dict):
-            raise _BadRequest("'put-data' needs a map 'data' of key -> frames")
+            raise BadRequest("'put-data' needs a map 'data' of key -> frames")
         values = {key: loads_data(frames) for key, frames in items.items()}
         if not self._stimulus(self.state.data_put, values, self._sid("put-data")):
-            raise _BadRequest("put-data refused")
+            raise BadRequest("put-data refused")
         return {"op": "ok"}
 
 
 # ---------------------------------------------------------------------- helpers
 
 
-class _Deadline:
-    """Aborts a connection when one step of a transfer takes longer than ``timeout``:
-    ``arm()`` before each step. A timer handle, not a Task per step (``wait_for`` made
-    one per frame: it doubled a worker's CPU per transferred key)."""
-
-    __slots__ = ("comm", "expired", "handle", "loop", "timeout")
-
-    def __init__(self, loop, comm: Comm, timeout: float) -> None:
-        self.loop = loop
-        self.comm = comm
-        self.timeout = timeout
-        self.handle = None
-        self.expired = False
-
-    def arm(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-        self.handle = self.loop.call_later(self.timeout, self._expire)
-
-    def cancel(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
-
-    def check(self) -> None:
-        """Raise TimeoutError if the deadline aborted the connection."""
-        if self.expired:
-            raise TimeoutError(f"no progress for {self.timeout}s: the peer does not answer")
-
-    def _expire(self) -> None:
-        self.handle = None
-        self.expired = True
-        self.comm.abort()
-
-
-def _parts(parts: list, part_bytes: int):
-    """The ``data-part`` messages that carry the frames of large values, in order."""
-    for key, frames in parts:
-        for frame in frames:
-            view = memoryview(frame).cast("B")
-            for start in range(0, view.nbytes, part_bytes):
-                yield {"op": "data-part", "key": key, "blob": Blob(view[start:start + part_bytes])}
-
-
-def _run_job(job: tuple) -> tuple:
-    """On an executor thread: run one job; ``(key, kind, value, report)``."""
-    key, _, spec, inputs, check, read_back = job
-    if read_back is not None:  # inputs spilled since the task was queued: not task time
-        for name, value in inputs.items():
-            if value is ON_DISK:
-                try:
-                    inputs[name] = read_back[name]
-                except Exception as exc:  # noqa: BLE001 - a failing disk: the task says so
-                    now = time.time()
-                    error = RuntimeError(
-                        f"could not read input {name!r} of {key!r} back from the worker's "
-                        f"spill directory: {type(exc).__name__}: {exc}")
-                    return key, _FAILURE, None, _erred_report(key, error, now, now)
-    start = time.time()
-    try:
-        value = loads_spec(spec)(inputs)
-    except BaseException as exc:  # noqa: BLE001 - any failure of user code is the task's
-        stop = time.time()
-        return key, _FAILURE, None, _erred_report(key, exc, start, stop)
-    stop = time.time()
-    del job, inputs, spec  # release the inputs as soon as possible
-    if check:  # its result failed to travel before: it must show that it serializes now
-        try:
-            dumps_data(value)
-        except Exception as exc:  # noqa: BLE001
-            error = ResultCannotTravel(_cannot_travel_text(key, value, exc))
-            return key, _FAILURE, None, _erred_report(key, error, start, stop)
-    return key, _SUCCESS, value, _finished_report(key, value, start, stop)
-
-
-def _finished_report(key, value, start: float, stop: float) -> dict:
-    try:
-        nbytes = min(max(int(sizeof(value)), 0), MAX_REPORTED_NBYTES)
-    except Exception:  # noqa: BLE001 - a broken nbytes property must not lose the result
-        nbytes = 64
-    report = {"op": "task-finished", "key": key, "nbytes": nbytes,
-              "type": type(value).__name__, "start": start, "stop": stop}
-    inline = dumps_inline_result(value)
-    if inline is not None:
-        report["data"] = inline
-    return report
-
-
-def _erred_report(key, exc: BaseException, start: float, stop: float) -> dict:
-    try:
-        exception, traceback, text = dumps_error(exc)
-    except Exception:  # noqa: BLE001 - e.g. an exception whose __str__ raises
-        exception, traceback, text = None, b"", f"{type(exc).__name__} (unprintable)"
-    return {"op": "task-erred", "key": key, "exception": exception, "traceback": traceback,
-            "text": text, "start": start, "stop": stop}
-
-
-def _cannot_travel_text(key, value, exc: BaseException) -> str:
-    """Why the result of ``key`` cannot travel: its key, type, size and the cause."""
-    try:
-        size = f"{min(max(int(sizeof(value)), 0), MAX_REPORTED_NBYTES)} bytes"
-    except Exception:  # noqa: BLE001
-        size = "size unknown"
-    try:
-        cause = f"{type(exc).__name__}: {exc}"
-    except Exception:  # noqa: BLE001
-        cause = type(exc).__name__
-    return (f"the result of {bounded_repr(key)} ({type(value).__module__}."
-            f"{type(value).__qualname__}, {size}) cannot be serialized to send it to "
-            f"another worker or a client: {cause[:500]}")
-
-
 def _rss() -> int:
     return psutil.Process().memory_info().rss
-
-
-def _sizeof_quietly(value) -> int:
-    try:
-        return max(int(sizeof(value)), 0)
-    except Exception:  # noqa: BLE001 - a broken __sizeof__ must not break storing
-        return 64
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.0f} MiB"
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _refused(exc: BaseException) -> bool:
-    """Whether a failed transfer shows the peer is gone (it refused the connection)."""
-    while exc is not None:
-        if isinstance(exc, ConnectionRefusedError):
-            return True
-        exc = exc.__cause__
-    return False
 
 
 def _join_address(scheme: str, host: str, port: int) -> str:

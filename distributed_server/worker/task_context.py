@@ -57,7 +57,7 @@ def rejoin() -> None:
 
 
 def enter_task(worker, key) -> None:
-    """The executor thread starts running ``key`` (worker/server.py)."""
+    """The executor thread starts running ``key`` (worker/executor.py)."""
     _task.worker = worker
     _task.key = key
     _task.seceded = False

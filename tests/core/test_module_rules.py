@@ -1,5 +1,6 @@
 """The rules the cores' headers state (the scheduler's _core.pyx and the worker's
-_worker_core.pyx): no I/O, no clock, the documented API, one source."""
+_worker_core.pyx): no I/O, no clock, the documented API, one source, and one copy of
+what both cores share (the input checks live in _core; the worker core uses them)."""
 from __future__ import annotations
 
 import ast
@@ -37,6 +38,27 @@ def imported_modules(filename: str) -> set:
 def test_core_imports_nothing_outside_its_allow_list():
     for filename, allowed in ALLOWED_IMPORTS.items():
         assert imported_modules(filename) <= allowed, filename
+
+
+def module_functions(filename: str) -> set:
+    with open(os.path.join(CORE_DIR, filename), encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename)
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+#: What the worker core takes from _core rather than define again.
+SHARED = ("_check", "_check_key", "_check_keys", "_check_resources", "_check_str",
+          "_zero_clock")
+
+
+def test_no_function_is_written_in_both_cores():
+    assert not module_functions("_core.pyx") & module_functions("_worker_core.pyx")
+
+
+def test_the_worker_core_uses_the_scheduler_cores_checks():
+    core, worker_core = distributed_core._core, distributed_core._worker_core
+    for name in SHARED:
+        assert getattr(worker_core, name) is getattr(core, name), name
 
 
 def test_core_source_names_no_clock_or_io():

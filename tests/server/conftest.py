@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from distributed_server import Client, LocalCluster, Security
-from distributed_server.comm.framing import PROTOCOL_VERSION, Comm, CommClosedError, parse_address
+from distributed_server.comm.addresses import parse_address
+from distributed_server.comm.framing import Comm, CommClosedError
+from distributed_server.comm.handshake import PROTOCOL_VERSION
 from distributed_server.security import ENVIRONMENT_VARIABLES, new_token
 
 # Test modules import the helpers below with `from server_helpers import ...`. This file's

@@ -4,13 +4,17 @@
 `replicas_failed`) are accepted only for keys it was asked for; `remove_replicas` never
 drops a last copy; a retiring worker (`retire_worker`) takes no new task until
 `unretire_worker`. Every state is validated after every stimulus (Sim).
+
+The plans behind retirement, replicate and rebalance are core queries too
+(`retirement_plan`, `replication`, `surplus_holders`, `rebalance_moves`, ...): plain data in
+and out, and they change nothing.
 """
 from __future__ import annotations
 
 import pytest
-from core_sim import Sim, assert_refused, task
+from core_sim import Sim, assert_refused, snapshot, task
 
-from distributed_core import InvalidStimulus, Unauthorized
+from distributed_core import MAX_RECIPIENTS_PER_KEY, InvalidStimulus, Unauthorized
 
 
 def two_workers_one_result(nbytes=10) -> tuple:
@@ -172,3 +176,115 @@ def test_a_copy_confirmed_after_its_key_was_computed_again_does_not_free_the_new
     _, worker_msgs = sim.copied(other, "x")
     assert not worker_msgs  # the new x (running or held there) is left alone
     assert sim.state.tasks["x"].state == ("memory" if compute_again else "processing")
+
+
+# ---------------------------------------------------------------------------- plans
+
+
+def scattered(workers: dict, who_has: dict, nbytes: dict) -> Sim:
+    """A Sim with ``workers`` ({address: name}) and results placed by ``update_data``."""
+    sim = Sim()
+    for address, name in workers.items():
+        sim.add_worker(address, name=name)
+    sim.scatter(who_has, nbytes)
+    return sim
+
+
+def unchanged(sim: Sim, query):
+    """``query()``'s answer, checking that it changed nothing."""
+    before = snapshot(sim.state)
+    answer = query()
+    assert snapshot(sim.state) == before
+    return answer
+
+
+def test_a_retirement_plan_sends_results_only_the_leaving_hold_largest_first_to_the_emptiest():
+    sim = scattered({"a": None, "b": None, "c": None, "d": None},
+                    {"x": ["a"], "y": ["a", "b"], "z": ["a", "c"], "big": ["b"], "w": ["d"]},
+                    {"x": 10, "y": 30, "z": 5, "big": 100, "w": 1})
+    # a and b leave: x, y, big are held only by them (y listed once, under a); z and w
+    # stay where they are. a's first, largest first, each to the recipient holding the
+    # fewest bytes so far: y (30) to d (1), x (10) to c (5), then b's big to c (15)
+    plan, stuck = unchanged(sim, lambda: sim.state.retirement_plan(["a", "b"], ["c", "d"], {}))
+    assert plan == {"d": ["y"], "c": ["x", "big"]} and stuck == {}
+    # a holder is never a recipient, a worker that failed a key is not asked again
+    plan, stuck = sim.state.retirement_plan(["a"], ["b", "c"], {"x": {"b"}})
+    assert plan == {"c": ["x"]} and stuck == {}
+    plan, stuck = sim.state.retirement_plan(["a"], ["b", "c"], {"x": {"b", "c"}})
+    assert plan == {} and stuck == {"a": ["x"]}
+    many = {"x": {f"tcp://{i}" for i in range(MAX_RECIPIENTS_PER_KEY)}}
+    assert sim.state.retirement_plan(["a"], ["b", "c"], many) == ({}, {"a": ["x"]})
+    assert sim.state.retirement_plan(["a"], [], {}) == ({}, {"a": ["x"]})
+    # nothing held only there, or a worker not registered: nothing to plan
+    assert sim.state.retirement_plan(["c", "ghost"], ["a"], {}) == ({}, {})
+
+
+def test_replication_grows_a_tree_toward_n_holders_of_the_pool():
+    sim = scattered({"a": None, "b": None, "c": None, "d": None, "e": None},
+                    {"x": ["a"], "y": ["a", "b", "c"]}, {"x": 10, "y": 1})
+    pool = ["a", "b", "c", "d", "e"]
+    # x: one holder, branching 2: two copies this round, on the emptiest (d, e)
+    assert unchanged(sim, lambda: sim.state.replication(["x", "y"], pool, 4, 2, {})) == \
+        {"d": ["x", "y"], "e": ["x"]}
+    assert sim.state.replication(["x"], pool, 4, 2, {"x": {"d"}}) == {"e": ["x"], "b": ["x"]}
+    assert sim.state.replication(["x", "y"], pool, 1, 2, {}) == {}  # enough holders
+    # keys not in memory and workers not registered are left out
+    assert sim.state.replication(["nope", "x"], ["a", "ghost", "c"], 2, 1, {}) == {"c": ["x"]}
+
+
+def test_surplus_holders_drop_copies_past_n_from_the_fullest_never_the_last():
+    sim = scattered({"a": None, "b": None, "c": None},
+                    {"x": ["a", "b", "c"], "y": ["a"], "z": ["b", "c"]},
+                    {"x": 1, "y": 50, "z": 20})
+    assert unchanged(sim, lambda: sim.state.surplus_holders(["x", "y", "z", "nope"],
+                                                            ["a", "b", "c"], 1)) == \
+        {"a": ["x"], "b": ["x", "z"]}
+    assert sim.state.surplus_holders(["x", "z"], ["b", "c"], 1) == {"b": ["x", "z"]}
+    assert sim.state.surplus_holders(["x"], ["a", "b", "c"], 3) == {}
+
+
+def test_rebalance_moves_results_from_the_fullest_toward_the_mean():
+    sim = scattered({"a": None, "b": None, "c": None},
+                    {"big": ["a"], "mid": ["a"], "small": ["a"], "both": ["a", "b"]},
+                    {"big": 60, "mid": 30, "small": 9, "both": 1})
+    # a holds 100, b 1, c 0: mean 33, gap 1. big would take a below the mean; mid goes to
+    # the neediest (c), small to b, then "both" to c (b holds it already)
+    moves = unchanged(sim, lambda: sim.state.rebalance_moves(["a", "b", "c"]))
+    assert moves == [("a", "c", "mid"), ("a", "b", "small"), ("a", "c", "both")]
+    assert sim.state.rebalance_moves(["a", "b", "c"], ["small"]) == [("a", "c", "small")]
+    assert sim.state.rebalance_moves([]) == [] and sim.state.rebalance_moves(["ghost"]) == []
+    assert sim.state.rebalance_moves(["b", "c"], ["small"]) == []
+
+
+def test_queries_a_retirement_asks():
+    sim = scattered({"a": "alice", "b": "bob", "c": 7},
+                    {"x": ["a"], "y": ["a", "b"]}, {"x": 10, "y": 1})
+    sim.submit([task("p")], ["p"])
+    state = sim.state
+    # by name or address, each once, running ones; unknown names reported
+    assert state.workers_to_retire(["bob", "a", "b", 7, "nobody"], None) == (
+        ["b", "a", "c"], ["nobody"])
+    assert state.workers_to_retire(None, 2) == (["c", "b"], [])  # fewest bytes first
+    assert state.workers_to_retire(None, None)[0] == ["c", "b", "a"]
+    sim.record(state.retire_worker("c", "retire"))
+    assert state.workers_to_retire([7], None) == ([], [])
+    assert state.workers_to_retire(None, 0) == ([], [])
+    assert state.copy_recipients() == ["a", "b"]
+    assert state.copy_recipients(["alice", "c"]) == ["a"]
+    assert state.copy_recipients(exclude=["a"]) == ["b"]
+    assert state.copy_recipients(paused=["b"]) == ["a"]
+    assert state.registered(["ghost", "c", "a"]) == ["c", "a"]
+    assert state.results_held("a") == ["x", "y"] and state.results_held("ghost") == []
+    assert state.keys_not_in_memory(["x", "p", "nope", "y"]) == ["p", "nope"]
+    assert state.keys_not_wanted("c", ["x", "nope"]) == []
+    assert state.keys_not_wanted("other", ["x", "nope"]) == ["x"]
+    assert state.holders_short(["x", "y", "nope"], ["a", "b"], 2) == ["x", "nope"]
+    assert state.holders_short(["y"], ["b"], 1) == []
+    assert state.droppable("a", ["x", "y", "nope"]) == ["y"]
+    assert state.droppable("ghost", ["y"]) == []
+    sim.record(state.acquire_replicas("b", ["x"], "copy"))
+    assert state.copies_pending([("b", "x")]) and not state.copies_pending([("a", "x")])
+    assert state.copies_held([("b", "x"), ("a", "x")]) == [("a", "x")]
+    sim.copied("b", "x")
+    assert not state.copies_pending([("b", "x")])
+    assert state.copies_held([("b", "x"), ("ghost", "x")]) == [("b", "x")]

@@ -288,3 +288,24 @@ def test_answers_of_one_batch_are_one_stimulus_and_one_bad_answer_refuses_them_a
         "a", [(key, request, True) for key, request in asked], "given"))
     assert computed(worker_msgs) == {key: "b" for key, _ in asked}
     assert sim.state.steal_counts()["moved"] == 2
+
+
+def test_the_core_says_when_a_report_wants_a_balance_at_once():
+    """`balance_wanted`: two workers or more, and (given a worker that reported) it has
+    room with nothing waiting there; the server only rate-limits it. A read: no change."""
+    sim = Sim()
+    sim.add_worker("a", 2)
+    assert not sim.state.balance_wanted() and not sim.state.balance_wanted("a")
+    sim.add_worker("b", 1)
+    assert sim.state.balance_wanted() and sim.state.balance_wanted("a")
+    assert not sim.state.balance_wanted("ghost")
+    sim.submit([task(f"t{i}") for i in range(5)], [f"t{i}" for i in range(5)])
+    busy = max(["a", "b"], key=lambda w: len(sim.computing[w]) - sim.state.workers[w].nthreads)
+    assert len(sim.computing[busy]) > sim.state.workers[busy].nthreads
+    before = sim.state.counters()
+    assert not sim.state.balance_wanted(busy)  # tasks wait there: the timer's balance
+    assert sim.state.counters() == before
+    for key in list(sim.computing[busy])[:len(sim.computing[busy])
+                                         - sim.state.workers[busy].nthreads]:
+        sim.finish(key, worker=busy)
+    assert sim.state.balance_wanted(busy)

@@ -350,6 +350,24 @@ def test_compute_task_after_free_keys_adopts_the_running_execution():
     assert run(w, "slow", 42) == [StoreData("slow", 42), SendMessage(finished("slow"))]
 
 
+def test_the_core_says_whether_an_execution_handed_out_is_still_wanted():
+    """``execution_wanted`` is what an executor thread reads to skip a job: set when an
+    execution is handed out or adopted, cleared when it is cancelled or over."""
+    w = core()
+    w.compute_tasks([compute("t")], "s")
+    ts = w.tasks["t"]
+    assert ts.execution_wanted is True
+    w.free_keys(["t"], "free")
+    assert ts.state == "cancelled" and ts.execution_wanted is False
+    w.compute_tasks([compute("t")], "again")
+    assert ts.state == "executing" and ts.execution_wanted is True
+    run(w, "t", 1)
+    assert ts.state == "memory" and ts.execution_wanted is False
+    w.compute_tasks([compute("u")], "s2")
+    w.scheduler_lost("lost")
+    assert w.tasks["u"].execution_wanted is False
+
+
 def test_an_execution_skipped_while_cancelled_runs_again_once_adopted():
     w = core()
     w.compute_tasks([compute("t", {"x": [A]})], "s")

@@ -10,9 +10,10 @@ import time
 import cloudpickle
 import pytest
 
+from distributed_core import key_prefix
 from distributed_server import Client, performance_report
 from distributed_server.client.futures import SchedulerError
-from distributed_server.client.report_html import key_prefix, render
+from distributed_server.client.report_html import render
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -29,12 +30,18 @@ def fail(x):
 # ---------------------------------------------------------------------------- the report's HTML
 
 
-def test_key_prefixes_drop_hashes_and_numbers():
-    assert key_prefix("inc-5c3a9e0f12ab34cd") == "inc"
-    assert key_prefix(("random_sample-b94844198fd102695bd4c4023526cb66", 7, 4)) \
-        == "random_sample"
-    assert key_prefix("mean_combine-partial-0123456789abcdef") == "mean_combine-partial"
-    assert key_prefix("x") == "x" and key_prefix(12) == "12"
+def test_the_report_groups_tasks_by_the_cores_key_prefix():
+    # the dashboard's grouping (distributed_core.key_prefix), uuids of pure=False keys too
+    keys = ["inc-5c3a9e0f12ab34cd", ("random_sample-b94844198fd102695bd4c4023526cb66", 7, 4),
+            "work-2b66532a-49c4-4a05-8f1e-0c2d4e6f8a9b", "read-csv-2020-01-01", 12]
+    tasks = [{"key": key, "worker": "tcp://w:1", "start": 1.0, "stop": 2.0,
+              "status": "memory"} for key in keys]
+    page = render(tasks, {"transitions": 0}, {"transitions": 7}, 0.0, 3.0)
+    table = page[page.index("<h2>Tasks by prefix</h2>"):]
+    assert sorted({key_prefix(key) for key in keys}) == [
+        "inc", "int", "random_sample", "read-csv", "work"]
+    for prefix in ("inc", "int", "random_sample", "read-csv", "work"):
+        assert f"<td>{prefix}</td>" in table, prefix
 
 
 def test_the_page_escapes_keys_and_needs_nothing_from_outside():

@@ -34,7 +34,7 @@ from distributed_server.client.client import (
     as_completed,
     wait,
 )
-from distributed_server.comm.framing import Blob, CommClosedError, listen
+from distributed_server.comm import Blob, CommClosedError, listen
 from distributed_server.protocol.serialize import (
     Call,
     dumps_data,

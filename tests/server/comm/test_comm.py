@@ -1,4 +1,5 @@
-"""Tests for distributed_server.comm.framing: framing, batching, handshake, bad input, TLS.
+"""Tests for distributed_server.comm (framing, connector, listener, handshake): framing,
+batching, handshake, bad input, TLS.
 
 Every test is a plain function that runs its coroutine with `run` (asyncio.run plus a
 deadline); every connection is real loopback TCP. Raw peers (asyncio streams speaking
@@ -31,19 +32,18 @@ from server_helpers import (
 )
 
 from distributed_server.comm import framing as comm_module
+from distributed_server.comm.addresses import parse_address
+from distributed_server.comm.connector import connect
 from distributed_server.comm.framing import (
     BURST_FRAMES,
-    PROTOCOL_VERSION,
     Blob,
     CommClosedError,
     HandshakeError,
-    Listener,
     ProtocolError,
     _Encoder,
-    connect,
-    listen,
-    parse_address,
 )
+from distributed_server.comm.handshake import PROTOCOL_VERSION
+from distributed_server.comm.listener import Listener, listen
 from distributed_server.security import Security
 
 

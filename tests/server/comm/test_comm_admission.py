@@ -1,4 +1,5 @@
-"""Who gets in, and what an outsider can cost a listener (distributed_server.comm.framing).
+"""Who gets in, and what an outsider can cost a listener (distributed_server.comm.listener,
+distributed_server.comm.handshake).
 
 Every test runs real loopback connections: the cluster token's challenge-response, the
 small frame limit before the handshake, buffers that grow only as bytes arrive, the caps
@@ -24,14 +25,13 @@ from server_helpers import (
     run,
 )
 
-from distributed_server.comm import framing as comm_module
-from distributed_server.comm.framing import (
-    HANDSHAKE_MAX_FRAME_BYTES,
-    HandshakeError,
-    connect,
-    listen,
-    parse_address,
-)
+from distributed_server.comm import handshake as handshake_module
+from distributed_server.comm import listener as listener_module
+from distributed_server.comm.addresses import parse_address
+from distributed_server.comm.connector import connect
+from distributed_server.comm.framing import HandshakeError
+from distributed_server.comm.handshake import HANDSHAKE_MAX_FRAME_BYTES
+from distributed_server.comm.listener import listen
 from distributed_server.security import Security, SecurityError
 
 TOKEN = "a-cluster-token-of-some-length"
@@ -155,7 +155,8 @@ def test_a_replayed_proof_is_useless_because_nonces_are_fresh():
         writer.write(raw_frame([ours]))
         (theirs,), _ = await read_raw_frame(reader)
         stale_nonce = b"s" * 32  # any nonce but the one just received
-        stale = comm_module._proof(TOKEN, comm_module._CONNECTOR, stale_nonce, ours["nonce"])
+        stale = handshake_module._proof(TOKEN, handshake_module._CONNECTOR, stale_nonce,
+                                        ours["nonce"])
         writer.write(raw_frame([{"op": "handshake", "proof": stale}]))
         (error,), _ = await read_raw_frame(reader)
         assert error == {"op": "error", "error": "wrong cluster token"}
@@ -261,9 +262,9 @@ def test_one_host_cannot_hold_every_handshake_slot(caplog):
         listener = await listen("tcp://127.0.0.1:0", echo, {}, Security(token=TOKEN),
                                 handshake_timeout=5.0)
         idle = [await open_raw(listener.address)
-                for _ in range(comm_module.MAX_PENDING_PER_HOST + 20)]
+                for _ in range(listener_module.MAX_PENDING_PER_HOST + 20)]
         await asyncio.sleep(0.2)
-        assert len(listener._pending) == comm_module.MAX_PENDING_PER_HOST
+        assert len(listener._pending) == listener_module.MAX_PENDING_PER_HOST
         evicted = [reader for reader, _ in idle[:20]]
         assert all([await asyncio.wait_for(r.read(), 1) == b"" for r in evicted])
         started = asyncio.get_running_loop().time()

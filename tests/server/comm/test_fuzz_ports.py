@@ -15,7 +15,8 @@ Clients also send the coordination primitives' messages (variables, queues, lock
 After every example the scheduler's state validates (and the primitives' bookkeeping,
 which keeps nothing of a departed client), the real worker is still
 registered, every attacking connection is gone, and nothing was logged at ERROR by
-``distributed_server`` (a bug, never bad input: DESIGN.md, "Stimuli are transactions").
+``distributed_server`` (a bug, never bad input: docs/architecture.md, "Stimuli are
+transactions").
 At the end an honest round trip (update-graph of one task, computed by the real worker,
 key-in-memory back) still works.
 """
@@ -37,13 +38,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import raw_frame_from_body
 
-from distributed_server.comm.framing import (
-    PROTOCOL_VERSION,
-    CommClosedError,
-    HandshakeError,
-    connect,
-    parse_address,
-)
+from distributed_server.comm.addresses import parse_address
+from distributed_server.comm.connector import connect
+from distributed_server.comm.framing import CommClosedError, HandshakeError
+from distributed_server.comm.handshake import PROTOCOL_VERSION
 from distributed_server.protocol.serialize import Call, dumps_spec
 from distributed_server.scheduler.coordination import OPS as COORDINATION_OPS
 from distributed_server.scheduler.server import Scheduler

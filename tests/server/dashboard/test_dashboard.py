@@ -19,7 +19,7 @@ import pytest
 from server_helpers import fetch, metrics
 
 from distributed_server import Security
-from distributed_server.comm.framing import connect
+from distributed_server.comm import connect
 from distributed_server.scheduler.server import Scheduler
 from distributed_server.security import SecurityError, new_token
 from distributed_server.worker.server import Worker

@@ -254,6 +254,6 @@ def test_status_page_shows_a_graph_run_to_completion(browser, tmp_path):
 
         png = browser.screenshot(tmp_path / "status-page.png")
         assert png.startswith(b"\x89PNG") and len(png) > 10_000
-        if os.environ.get("DCORE_SCREENSHOT"):  # the README's: mid-run if we caught one
+        if os.environ.get("DCORE_SCREENSHOT"):  # docs/images/: mid-run if we caught one
             name = "status-page-running.png" if running_shot else "status-page.png"
             shutil.copyfile(tmp_path / name, os.environ["DCORE_SCREENSHOT"])

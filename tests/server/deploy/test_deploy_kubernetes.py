@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distributed_server.comm.framing import parse_address
+from distributed_server.comm import parse_address
 from distributed_server.dashboard.http import parse_http_address
 from distributed_server.security import ENVIRONMENT_VARIABLES, Security, new_token
 

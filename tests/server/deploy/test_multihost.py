@@ -108,7 +108,7 @@ def processes(tmp_path):
 CLIENT = textwrap.dedent("""
     import sys
     from distributed_server import Client
-    from distributed_server.comm.framing import parse_address
+    from distributed_server.comm import parse_address
 
     with Client(sys.argv[1], set_as_default=False, timeout=30) as client:
         workers = client.scheduler_info()["workers"]

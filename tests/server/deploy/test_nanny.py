@@ -301,7 +301,7 @@ def test_local_cluster_without_processes_has_no_nanny_to_restart():
 
 def test_a_nanny_may_only_say_which_workers_it_runs(caplog):
     from distributed_server import Scheduler
-    from distributed_server.comm.framing import CommClosedError, connect
+    from distributed_server.comm import CommClosedError, connect
 
     async def main():
         async with Scheduler(validate=True) as scheduler:

@@ -8,10 +8,10 @@ grown in memory, and has logged no ERROR line (the log is printed on failure).
 
 Two kinds of attackers:
 
-- Outsiders, without the cluster's credentials (docs/protocol.md, handshake; DESIGN.md,
-  "Trust boundary"): refused in the handshake, before they can say anything, for a few
-  KiB of buffer and a few seconds each, without making the scheduler spin or flood its
-  log.
+- Outsiders, without the cluster's credentials (docs/protocol.md, handshake;
+  docs/security.md, "Trust model"): refused in the handshake, before they can say
+  anything, for a few KiB of buffer and a few seconds each, without making the scheduler
+  spin or flood its log.
 - Admitted peers that misbehave (they hold the token): roles are enforced by the state
   machine ("Stimuli are transactions"): a worker speaks only about its own tasks and
   transfers, a client only about the keys it wants; a refused message changes nothing.
@@ -46,13 +46,10 @@ import pytest
 from server_helpers import raw_frame, raw_hello, run, wait_until_no_tasks, workers_of
 
 from distributed_server import Client
-from distributed_server.comm.framing import (
-    CommClosedError,
-    HandshakeError,
-    connect,
-    parse_address,
-)
-from distributed_server.comm.framing import _proof as handshake_proof
+from distributed_server.comm.addresses import parse_address
+from distributed_server.comm.connector import connect
+from distributed_server.comm.framing import CommClosedError, HandshakeError
+from distributed_server.comm.handshake import _proof as handshake_proof
 from distributed_server.security import ENVIRONMENT_VARIABLES, Security, new_token
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from distributed_server.comm.framing import CommClosedError, connect, parse_address
+from distributed_server.comm import CommClosedError, connect, parse_address
 from distributed_server.scheduler.server import Scheduler
 
 pytestmark = pytest.mark.timeout(60)
@@ -433,3 +433,28 @@ def test_a_huge_cancel_with_one_key_of_another_client_changes_nothing():
             assert len(s.state.tasks) == 36 and len(s.state.clients["mine"].wants_what) == 35
 
     run(main())
+
+
+def test_each_client_op_has_one_handler_and_the_services_register_theirs():
+    """The services (their modules' ``OPS``) and the server's own handlers claim disjoint
+    client ops, and every op a service declares is routed to that service."""
+    from distributed_server.scheduler import (
+        client_keys,
+        coordination_service,
+        history,
+        restart,
+        retirement,
+    )
+
+    scheduler = Scheduler()
+    services = {client_keys: scheduler.client_keys.handle,
+                coordination_service: scheduler.coordination_service.handle,
+                history: scheduler.history.handle, restart: scheduler.restarts.handle,
+                retirement: scheduler._move_replicas}
+    claimed = [op for module in services for op in module.OPS]
+    assert len(claimed) == len(set(claimed)), claimed
+    for module, handler in services.items():
+        for op in module.OPS:
+            assert scheduler._client_handlers[op] == handler, op
+    assert {"update-graph", "update-data", "heartbeat", "identity", "versions",
+            "register-worker-plugin"} <= set(scheduler._client_handlers) - set(claimed)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from distributed_server.comm.framing import Blob, CommClosedError, connect, listen
+from distributed_server.comm import Blob, CommClosedError, connect, listen
 from distributed_server.protocol.serialize import (
     Call,
     TaskRef,
