@@ -47,7 +47,8 @@ Measured per run, in a fresh subprocess with a fresh cluster and a warm-up round
 The task functions live in ``benchmarks/_e2e_tasks.py``, an importable module on every
 process's PYTHONPATH, so both systems pickle them by reference. Each run is a
 subprocess killed (with everything it started) after ``--timeout`` seconds and then
-reported as "did not finish". Results also go to ``benchmarks/results/e2e-*.json``.
+reported as "did not finish". Results also go to ``benchmarks/results/e2e-*.json``
+(ignored by git; the run the docs cite is in ``benchmarks/baselines/``).
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# Where every benchmark writes its results by default: ignored by git. The runs the docs
+# cite are copied to benchmarks/baselines/ (one per benchmark) by hand.
 RESULTS_DIR = os.path.join(HERE, "results")
 RESULT_MARK = "E2E-RESULT "
 TASKS_MODULE = "_e2e_tasks"
@@ -431,8 +434,8 @@ def core_env_and_info(args) -> tuple[dict, dict, list]:
 
 
 def save_results(name: str, doc: dict, started: datetime.datetime, quick: bool) -> str:
-    """Write ``doc`` as ``benchmarks/results/<name>-<start time>[-quick].json``; return
-    its path relative to the checkout."""
+    """Write ``doc`` as ``benchmarks/results/<name>-<start time>[-quick].json`` (a folder
+    git ignores); return its path relative to the checkout."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     stamp = started.strftime("%Y-%m-%d-%H%M%S") + ("-quick" if quick else "")
     path = os.path.join(RESULTS_DIR, f"{name}-{stamp}.json")

@@ -3,10 +3,10 @@
 #
 #   bash ci/test.sh [pure|compiled|all] [--] [pytest args...]      (default: all)
 #
-# pure      venv .venv-ci/pure: `DISTRIBUTED_CORE_PURE=1 pip install -e ".[test,dask]"`;
+# pure      venv .venv-ci/pure: `DISTRIBUTED_CORE_PURE=1 pip install -e ".[test,dask,docs]"`;
 #           the suite runs with DISTRIBUTED_CORE_PURE=1 EXPECT_COMPILED=0.
 # compiled  venv .venv-ci/compiled: `DISTRIBUTED_CORE_REQUIRE_COMPILED=1 pip install
-#           ".[test,dask]"` (not editable); the suite runs from a temporary directory with
+#           ".[test,dask,docs]"` (not editable); the suite runs from a temporary directory with
 #           the venv's own pytest executable and --import-mode=importlib, so nothing in
 #           the checkout can shadow the installed extension; EXPECT_COMPILED=1.
 #
@@ -100,10 +100,10 @@ setup_pure() {
   if venv_is_current "$venv" "$stamp"; then
     log "pure: reusing $venv (editable install; pyproject.toml and setup.py unchanged)"
   else
-    log "pure: creating $venv: DISTRIBUTED_CORE_PURE=1 pip install -e \".[test,dask]\""
+    log "pure: creating $venv: DISTRIBUTED_CORE_PURE=1 pip install -e \".[test,dask,docs]\""
     fresh_venv "$venv"
     (cd "$ROOT" && env -u DISTRIBUTED_CORE_REQUIRE_COMPILED DISTRIBUTED_CORE_PURE=1 \
-      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" -e ".[test,dask]")
+      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" -e ".[test,dask,docs]")
     write_stamp "$venv" "$stamp"
   fi
   record "pure: venv + editable install" "$t0"
@@ -127,11 +127,11 @@ setup_compiled() {
         "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" --no-deps --force-reinstall .)
     fi
   else
-    log "compiled: creating $venv: DISTRIBUTED_CORE_REQUIRE_COMPILED=1 pip install \".[test,dask]\""
+    log "compiled: creating $venv: DISTRIBUTED_CORE_REQUIRE_COMPILED=1 pip install \".[test,dask,docs]\""
     fresh_venv "$venv"
     rm -rf "$ROOT/build"
     (cd "$ROOT" && env -u DISTRIBUTED_CORE_PURE DISTRIBUTED_CORE_REQUIRE_COMPILED=1 \
-      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" ".[test,dask]")
+      "$(venv_python "$venv")" -m pip install "${PIP_QUIET[@]}" ".[test,dask,docs]")
     write_stamp "$venv" "$env_stamp"
   fi
   printf '%s' "$src_stamp" >"$venv/.ci-src-stamp"
