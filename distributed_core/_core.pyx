@@ -1829,9 +1829,11 @@ class SchedulerState:
         return plan
 
     def surplus_holders(self, keys, pool, n) -> dict:
-        """The copies past ``n`` within ``pool`` (addresses) to drop: ``{address: [key,
-        ...]}``, from the holders with the most bytes (then by address); never a key's
-        last copy. Keys not in memory are left out."""
+        """The copies past ``n`` (>= 1) within ``pool`` (addresses) to drop: ``{address:
+        [key, ...]}``, from the holders with the most bytes (then by address); never a
+        key's last copy. Keys unknown or held by no worker are left out; the state of
+        the others is not checked: callers first check that every key is in memory
+        (`keys_not_in_memory`)."""
         ws: WorkerState
         ts: TaskState
         members = set(pool)

@@ -29,6 +29,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "dcore_states",
     "dcore_settings",
+    "dcore_layout",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}

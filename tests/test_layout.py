@@ -181,3 +181,23 @@ def test_the_checks_catch_a_wrong_import_and_a_circle(tmp_path):
         "(worker may not import client)"]
     assert _circles(graph) == ["distributed_server.client -> distributed_server.worker.server"
                                " -> distributed_server.client"]
+
+
+def test_the_schedulers_services_use_only_its_public_surface():
+    """No module of the scheduler package reads a private attribute of the scheduler it
+    serves (``scheduler._x``, ``self.scheduler._x``, ``server._x``): the services act
+    through `Scheduler`'s public surface (``stimulus``, ``reply``, ``sid``, ...). Its own
+    ``self._x`` is not concerned."""
+    owners = {"scheduler", "server"}
+    wrong = []
+    for path in sorted((PACKAGE / "scheduler").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                continue
+            value = node.value
+            if (isinstance(value, ast.Name) and value.id in owners) or (
+                    isinstance(value, ast.Attribute) and value.attr in owners):
+                where = path.relative_to(PACKAGE)
+                wrong.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)

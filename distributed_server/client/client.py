@@ -98,7 +98,7 @@ from collections.abc import Callable
 from ..deploy.launch import read_scheduler_file
 from ..security import Security
 from ..worker.task_context import install_client_factory
-from . import dask_graphs as dask_support
+from . import dask_graphs
 from .cluster_control import ClusterControlMixin
 from .cluster_info import ClusterInfoMixin
 from .dask_compute import GraphSender
@@ -164,7 +164,7 @@ __all__ = [
     "wait",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("distributed_server.client")
 
 #: Seconds `close` waits for the scheduler connection to flush, and for the loop thread.
 CLOSE_TIMEOUT = 5.0
@@ -175,6 +175,15 @@ MAP_BATCH_TASKS = 2_000
 
 # Client statuses
 _CREATED, _RUNNING, _LOST, _CLOSING, _CLOSED = "created", "running", "lost", "closing", "closed"
+
+
+def _local_cluster_security(address) -> Security | None:
+    """The credentials of a LocalCluster this process started at ``address``, if any."""
+    if not isinstance(address, str):
+        return None
+    from ..deploy.local_cluster import local_cluster_security
+
+    return local_cluster_security(address)
 
 
 def _shutdown(runner: ClientLoopThread | None, cluster) -> None:
@@ -201,6 +210,15 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
     ``asynchronous=True``, ``await Client(...)`` (or ``async with``) starts it and the
     methods that talk to the cluster return awaitables; `submit` and `map` always
     return futures directly. Closed by `close`, the context manager, or at exit.
+
+    Sync, async and on the client's own loop, one rule (as dask.distributed's): a method
+    that waits for the cluster blocks and returns its value in a sync client, and returns
+    an awaitable when the client is asynchronous *or* the call is made on the client's
+    own event loop (a coroutine run with `sync`, a task started with ``loop`` code);
+    `asynchronous` tells which. Methods that need no answer (`submit`, `map`, `compute`
+    without ``sync``, `persist`, `cancel`, `retry`, `fire_and_forget`) return the same
+    thing in every context. Done callbacks run on a callback thread of their own, where
+    blocking calls work.
     A scheduler that stops answering (it answers every heartbeat, sent each
     `HEARTBEAT_INTERVAL` seconds) for ``scheduler_timeout`` seconds counts as lost: the
     pending futures raise `SchedulerConnectionError`. ``security`` holds the cluster's
@@ -223,12 +241,15 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
             if address is not None:
                 raise TypeError("give an address or a scheduler_file, not both")
             address = read_scheduler_file(scheduler_file, timeout=max(timeout, 1.0))
-        self.asynchronous = asynchronous
+        self._asynchronous = asynchronous
         self.timeout = timeout
         self.scheduler_timeout = scheduler_timeout
+        if isinstance(address, str) and "://" not in address:
+            address = f"tcp://{address}"
         if security is None and address is not None:
-            security = getattr(address, "security", None) or Security.from_environment(
-                role="client")
+            security = (getattr(address, "security", None)
+                        or _local_cluster_security(address)
+                        or Security.from_environment(role="client"))
         self.security = security
         self.id = f"{name or 'Client'}-{uuid.uuid4().hex}"
         self.status = _CREATED
@@ -242,8 +263,6 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
         if hasattr(address, "scheduler_address"):
             self.cluster = address
             address = address.scheduler_address
-        if isinstance(address, str) and "://" not in address:
-            address = f"tcp://{address}"
         self.scheduler_address: str | None = address
         self._set_as_default = set_as_default
         #: The key states and their reference counts, and the scheduler's messages about
@@ -258,7 +277,7 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
         self._finalizer: weakref.finalize | None = None
         #: Sends this client's dask graphs (compute, persist, get).
         self._graphs = GraphSender(self)
-        self._dask_default = None  # a dask_support.DefaultScheduler while we are dask's
+        self._dask_default = None  # a dask_graphs.DefaultScheduler while we are dask's
         #: The scheduler connection and the ordered outbox every message goes through.
         self._conn = SchedulerComm(self.id, self._keys.handlers(),
                                    release=self._keys.release,
@@ -325,9 +344,9 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
         self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._cluster)
         if self._set_as_default:
             set_default_client(self)
-            if dask_support.dask_available():
+            if dask_graphs.dask_available():
                 try:
-                    self._dask_default = dask_support.DefaultScheduler(self)
+                    self._dask_default = dask_graphs.DefaultScheduler(self)
                 except Exception:  # dask is broken: the client works without it
                     logger.exception("could not make %s dask's default scheduler", self.id)
 
@@ -340,8 +359,14 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
+    @property
+    def asynchronous(self) -> bool:
+        """True when the methods that wait for the cluster return awaitables: in an
+        asynchronous client, and in any client while called from its own event loop."""
+        return self._asynchronous or self._on_loop()
+
     def __enter__(self):
-        if self.asynchronous:
+        if self._asynchronous:
             raise TypeError("use 'async with' for an asynchronous client")
         return self
 
@@ -351,8 +376,9 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
     def close(self, timeout: float = CLOSE_TIMEOUT):
         """Tell the scheduler goodbye, close connections, stop the loop thread and the
         owned LocalCluster. Idempotent; pending futures fail with
-        `SchedulerConnectionError`."""
-        if self.asynchronous:
+        `SchedulerConnectionError`. A sync client cannot close from its own loop
+        (it would stop the loop it runs on): RuntimeError there."""
+        if self._asynchronous:
             return self._close_async(timeout)
         if self.status == _CLOSED or self._runner is None:
             return None
@@ -402,13 +428,10 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
     def _sync(self, method, *args):
         """Run ``method(*args)`` (a coroutine function) on the loop: an awaitable in an
         async client, the result (blocking) in a sync one."""
-        if self.asynchronous:
+        if self.asynchronous:  # an asynchronous client, or a call on the client's loop
             return method(*args)
         if self._runner is None or self.status == _CLOSED:
             raise SchedulerConnectionError(f"{self.id} is closed")
-        if self._on_loop():
-            raise RuntimeError("a blocking Client call was made on the client's own loop "
-                               "thread (e.g. in a done callback); use the async API there")
         return self._runner.run(method(*args))
 
     def sync(self, func: Callable, *args, **kwargs):
@@ -577,11 +600,13 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
         ``dsk`` is what dask hands a scheduler (an expression), a dask collection, a
         HighLevelGraph, or a dict graph of legacy ``(func, *args)`` tuples. With dask
         installed every graph goes through dask's conversion and ordering (see
-        `dask_support`); without it a dict graph is converted here. The options apply
+        `dask_graphs`); without it a dict graph is converted here. The options apply
         to every task; dask annotations (``with dask.annotate(...)``) override them.
+        Other keywords are accepted and ignored, as dask.distributed does: dask forwards
+        whatever a caller gave ``compute`` (``x.compute(num_workers=4)``) to its scheduler.
         """
         if kwargs:
-            raise TypeError(f"get() got unexpected keyword arguments {sorted(kwargs)}")
+            logger.debug("get(): ignored keywords %s", sorted(kwargs))
         options = task_options(retries, priority, workers, resources, allow_other_workers)
         return self._graphs.get(dsk, keys, options)
 
@@ -589,28 +614,35 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
 
     def compute(self, collections, sync: bool = False, optimize_graph: bool = True, *,
                 retries: int = 0, priority: int = 0, workers=None,
-                resources: dict | None = None, allow_other_workers: bool = False):
+                resources: dict | None = None, allow_other_workers: bool = False,
+                **kwargs):
         """Start computing dask collections; a Future of each one's final value.
 
         One collection gives one Future; a list (tuple, set) of them gives a list, with
         anything that is not a dask collection passed through. ``sync=True`` returns the
         values instead (as `gather`). Returns once the graph is sent to the scheduler
         (an asynchronous client sends it in the background). Options as in `submit`;
-        dask annotations override them per task. Needs dask.
+        dask annotations override them per task. Other keywords (dask's optimization
+        options, scheduler keywords) are accepted and ignored. Needs dask.
         """
+        if kwargs:
+            logger.debug("compute(): ignored keywords %s", sorted(kwargs))
         options = task_options(retries, priority, workers, resources, allow_other_workers)
         return self._graphs.compute(collections, sync, optimize_graph, options)
 
     def persist(self, collections, optimize_graph: bool = True, *, retries: int = 0,
                 priority: int = 0, workers=None, resources: dict | None = None,
-                allow_other_workers: bool = False):
+                allow_other_workers: bool = False, **kwargs):
         """Start computing dask collections and keep their pieces on the workers.
 
         Returns the same kind of collection (a list for a list), whose graph holds the
         futures of its keys: later computations reuse those results instead of
         recomputing them, and the results are released when the collection is garbage
-        collected. Returns once the graph is sent. Needs dask.
+        collected. Returns once the graph is sent. Other keywords are accepted and
+        ignored, as in `compute`. Needs dask.
         """
+        if kwargs:
+            logger.debug("persist(): ignored keywords %s", sorted(kwargs))
         options = task_options(retries, priority, workers, resources, allow_other_workers)
         return self._graphs.persist(collections, optimize_graph, options)
 

@@ -9,6 +9,7 @@ versions of the workers come from running `versions.versions` on each of them.
 from __future__ import annotations
 
 import asyncio
+import html
 import logging
 
 from .. import versions as versions_module
@@ -19,7 +20,14 @@ from .scheduler_comm import log_background_failure
 
 __all__ = ["ClusterInfoMixin"]
 
-logger = logging.getLogger("distributed_server.client.client")
+
+def _html_rows(rows: list) -> str:
+    return "".join(f"<tr><th style='text-align:left'>{html.escape(label)}</th>"
+                   f"<td style='text-align:left'>{html.escape(str(text))}</td></tr>"
+                   for label, text in rows)
+
+
+logger = logging.getLogger("distributed_server.client")
 
 
 class ClusterInfoMixin:
@@ -40,6 +48,38 @@ class ClusterInfoMixin:
         ...) and prefix_counts. The scheduler reads them from counters, never from a walk
         over its tasks: it is cheap to poll."""
         return self._sync(self._request, "identity")
+
+    def _repr_html_(self) -> str:
+        """A notebook's summary: scheduler, status, workers, threads, memory and the
+        dashboard link. The figures are asked of the scheduler (for at most 2 s); an
+        asynchronous client, or one called on its loop, shows what it knows without
+        asking."""
+        rows = [("scheduler", self.scheduler_address), ("status", self.status)]
+        from ..deploy.nanny import format_bytes
+
+        info = None
+        if self.status == "running" and not self.asynchronous:
+            try:
+                info = self._sync(self._identity_within, 2.0)
+            except Exception:  # noqa: BLE001 - a summary must not raise
+                info = None
+        if info is not None:
+            workers = info["workers"].values()
+            memory = sum(w.get("memory_limit") or 0 for w in workers)
+            rows += [("workers", len(workers)),
+                     ("threads", sum(w["nthreads"] for w in workers)),
+                     ("memory", format_bytes(memory) if memory else "no limit"),
+                     ("tasks", info["n_tasks"])]
+        body = _html_rows(rows)
+        link = self.dashboard_link
+        if link is not None:
+            body += (f"<tr><th style='text-align:left'>dashboard</th><td><a href="
+                     f"'{html.escape(link, quote=True)}' target='_blank'>"
+                     f"{html.escape(link.split('?', 1)[0])}</a></td></tr>")
+        return f"<div><strong>Client</strong> {html.escape(self.id)}<table>{body}</table></div>"
+
+    async def _identity_within(self, timeout: float) -> dict:
+        return await asyncio.wait_for(self._request("identity"), timeout)
 
     @property
     def dashboard_link(self) -> str | None:

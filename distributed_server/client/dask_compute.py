@@ -29,7 +29,7 @@ import functools
 import logging
 import time
 
-from . import dask_graphs as dask_support
+from . import dask_graphs
 from .futures import FINISHED, PENDING, GraphRefusedError, SchedulerConnectionError
 from .scheduler_comm import GraphTurn, log_background_failure
 from .task_specs import LegacyGraph, flatten_keys, wire_spec
@@ -56,7 +56,7 @@ class GraphSender:
 
     def compute(self, collections, sync: bool, optimize_graph: bool, options: dict):
         """`Client.compute` with its task options."""
-        dask = dask_support.require_dask()
+        dask = dask_graphs.require_dask()
         singleton = not isinstance(collections, (list, tuple, set, frozenset))
         items = [collections] if singleton else list(collections)
         scheduler = functools.partial(_futures_scheduler, self, options)
@@ -66,7 +66,7 @@ class GraphSender:
 
     def persist(self, collections, optimize_graph: bool, options: dict):
         """`Client.persist` with its task options."""
-        dask = dask_support.require_dask()
+        dask = dask_graphs.require_dask()
         singleton = not isinstance(collections, (list, tuple, set, frozenset))
         items = [collections] if singleton else list(collections)
         scheduler = functools.partial(_futures_scheduler, self, options)
@@ -77,9 +77,9 @@ class GraphSender:
     def get(self, dsk, keys, options: dict):
         """`Client.get` with its task options."""
         client = self.client
-        if not dask_support.dask_available():
+        if not dask_graphs.dask_available():
             if not isinstance(dsk, dict):
-                raise ImportError(dask_support.DASK_REQUIRED)
+                raise ImportError(dask_graphs.DASK_REQUIRED)
             return self._get_legacy(dsk, keys, options)
         futures, submission = self.graph_futures(dsk, keys, options)
         return client._sync(self._send_then_gather, submission, futures)
@@ -119,16 +119,17 @@ class GraphSender:
         are held (``holds``) until it is sent, so nothing releases them meanwhile.
         """
         client = self.client
-        with dask_support.gc_paused():
-            graph = dask_support.materialize(dsk)
+        with dask_graphs.gc_paused():
+            graph = dask_graphs.materialize(dsk)
+        keys = dask_graphs.plain_keys(keys)  # as the graph's (numpy scalars made plain)
         wanted = list(dict.fromkeys(flatten_keys(keys)))
         by_key, new, known, created, first_holds = client._hold_graph(graph.nodes, wanted)
         futures = _keys_to_futures(keys, by_key)
         try:
             if not new:
                 return futures, None
-            with dask_support.gc_paused():
-                plan = dask_support.GraphPlan(graph, new, known, options, wire=wire_spec)
+            with dask_graphs.gc_paused():
+                plan = dask_graphs.GraphPlan(graph, new, known, options, wire=wire_spec)
             holds = client._hold_present(plan.external)
         finally:
             for state in first_holds:
@@ -162,9 +163,9 @@ class GraphSender:
         other clients in between, and it never waits for the client's next slice while
         the client waits for its answer. Slice sizes follow the time from sending a
         slice to that answer (over the slices in flight; it covers pickling the next
-        one), aiming at `dask_support.SLICE_SECONDS`. Frontier
+        one), aiming at `dask_graphs.SLICE_SECONDS`. Frontier
         keys are wanted only until their last dependent is sent
-        (`dask_support.SlicePart`). A failure (a slice that cannot be
+        (`dask_graphs.SlicePart`). A failure (a slice that cannot be
         pickled, a refused slice, a lost connection) fails the new keys and leaves
         nothing of the graph on the scheduler (`_give_up`).
         """
@@ -232,7 +233,7 @@ def _encode(plan):
     the first slices, compete for the same cores) and two busy threads share the GIL
     badly. The loop is busy for at most about one slice's time.
     """
-    with dask_support.gc_paused():
+    with dask_graphs.gc_paused():
         return plan.encode_next()
 
 

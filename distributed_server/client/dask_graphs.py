@@ -54,12 +54,14 @@ import heapq
 import importlib.util
 import io
 import logging
+import numbers
 import pickle
 import types
 from collections.abc import Callable, Mapping
 
 import cloudpickle
 
+# named as before the layout (the name users configure)
 logger = logging.getLogger("distributed_server.dask_support")
 
 DASK_REQUIRED = 'this needs dask: pip install "distributed-core[dask]"'
@@ -128,14 +130,16 @@ def is_dask_collection(obj) -> bool:
 
 
 class DaskGraph:
-    """A materialized dask graph: ``nodes`` (key -> task-spec node) and ``annotations``
-    (annotation name -> {key: value})."""
+    """A materialized dask graph: ``nodes`` (key -> task-spec node), ``annotations``
+    (annotation name -> {key: value}) and ``plain``: False when dask named some keys
+    with numpy scalars (the nodes' own references still do; see `with_plain_keys`)."""
 
-    __slots__ = ("annotations", "nodes")
+    __slots__ = ("annotations", "nodes", "plain")
 
-    def __init__(self, nodes: dict, annotations: dict) -> None:
+    def __init__(self, nodes: dict, annotations: dict, plain: bool = True) -> None:
         self.nodes = nodes
         self.annotations = annotations
+        self.plain = plain
 
 
 def materialize(obj) -> DaskGraph:
@@ -165,7 +169,51 @@ def materialize(obj) -> DaskGraph:
     else:
         raise TypeError(f"expected a dask collection, expression or graph (a dict), "
                         f"got {type(obj).__name__}")
-    return DaskGraph(convert_legacy_graph(dsk), annotations)
+    nodes, plain = with_plain_keys(convert_legacy_graph(dsk))
+    return DaskGraph(nodes, annotations, plain)
+
+
+def plain_key(key):
+    """``key`` with the numpy scalars in it made Python ints, floats and strs (dask.array's
+    ``vindex`` names chunks ``('name', np.int64(1))``): the wire carries plain keys only.
+    A key equal to its plain form hashes the same, so dask finds its results by either."""
+    typ = type(key)
+    if typ is str or typ is int or typ is float or typ is bytes:
+        return key
+    if typ is tuple:
+        return tuple([plain_key(part) for part in key])
+    if isinstance(key, str):  # numpy.str_ and other str subclasses
+        return str(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)
+    if isinstance(key, numbers.Real) and not isinstance(key, bool):
+        return float(key)
+    return key  # refused with a clear error when sent (_check_key)
+
+
+def plain_keys(keys):
+    """`plain_key` over a key or nested lists of keys (what dask passes as ``keys``)."""
+    if type(keys) is list:
+        return [plain_keys(k) for k in keys]
+    return plain_key(keys)
+
+
+def with_plain_keys(nodes: dict) -> tuple[dict, bool]:
+    """``(nodes keyed by plain keys, whether they were plain already)``: the same dict
+    in the common case (one pass, no copy). The nodes themselves are not rewritten: the
+    references inside them compare and hash equal to the plain keys, so a worker finds
+    their values by either; what goes on the wire is made plain when it is sent."""
+    if all(type(key) is str or _is_plain_key(key) for key in nodes):
+        return nodes, True
+    return {plain_key(key): node for key, node in nodes.items()}, False
+
+
+def _is_plain_key(key) -> bool:
+    """Whether every part of a key has a plain Python type (numpy scalars compare equal
+    to ints, so equality cannot tell)."""
+    if type(key) is tuple:
+        return all(_is_plain_key(part) for part in key)
+    return type(key) in (str, int, float, bytes)
 
 
 def _has_layer_annotations(expr) -> bool:
@@ -355,6 +403,7 @@ class GraphPlan:
 
         nodes = graph.nodes
         self.nodes = nodes
+        self.plain = graph.plain  # else dependencies are made plain as they are sent
         self.wanted = set(wanted)
         self.options = options
         self.wire = wire
@@ -386,7 +435,7 @@ class GraphPlan:
             for dep in nodes[key].dependencies:
                 j = position.get(dep)
                 if j is None:
-                    external.add(dep)
+                    external.add(dep if self.plain else plain_key(dep))
                 elif j > i:
                     self.sequence = _topological(self.sequence, nodes)
                     last_use.clear()
@@ -434,7 +483,7 @@ class GraphPlan:
             if self.pickler.found:
                 deps = deps | set(self.pickler.found)
             if deps:
-                task["deps"] = list(deps)
+                task["deps"] = list(deps) if self.plain else [plain_key(d) for d in deps]
             if options:
                 task.update(options)
             if annotations:
@@ -579,15 +628,41 @@ def _is_plain(value) -> bool:
 # ---------------------------------------------------------------------------- default scheduler
 
 
+#: The name under which the default client is dask's scheduler (``dask.config``
+#: ``scheduler``): a plain string, so the config can be copied and pickled.
+SCHEDULER_NAME = "distributed-core"
+
+
+class _DefaultClientScheduler:
+    """What ``dask.base.named_schedulers[SCHEDULER_NAME]`` holds: dask calls it as a
+    ``get``, and its `persist` (dask looks for one) keeps results on the cluster; both go
+    to the default client at the time of the call."""
+
+    @staticmethod
+    def _client():
+        from .futures import default_client
+
+        return default_client()
+
+    def __call__(self, dsk, keys, **kwargs):
+        return self._client().get(dsk, keys, **kwargs)
+
+    def persist(self, collections, **kwargs):
+        return self._client().persist(collections, **kwargs)
+
+
 class DefaultScheduler:
-    """Makes a client dask's default scheduler (``dask.config`` ``scheduler``), with the
-    task-based dataframe shuffle unless a shuffle method is configured; `undo` restores
-    what was there if the client is still the default."""
+    """Makes the default client dask's scheduler: ``dask.config`` ``scheduler`` is set to
+    `SCHEDULER_NAME` (a name, never the client itself), with the task-based dataframe
+    shuffle unless a shuffle method is configured; `undo` restores what was there once
+    no client of ours is the default any more."""
 
     def __init__(self, client) -> None:
         import dask
+        import dask.base
 
-        settings = {"scheduler": client}
+        dask.base.named_schedulers.setdefault(SCHEDULER_NAME, _DefaultClientScheduler())
+        settings = {"scheduler": SCHEDULER_NAME}
         if dask.config.get("dataframe.shuffle.method", None) is None:
             settings["dataframe.shuffle.method"] = "tasks"
         self.client = client
@@ -596,10 +671,13 @@ class DefaultScheduler:
     def undo(self) -> None:
         import dask
 
-        if dask.config.get("scheduler", None) is not self.client:
-            return  # someone else became the default meanwhile: leave theirs alone
+        from .futures import has_default_client
+
+        if dask.config.get("scheduler", None) != SCHEDULER_NAME or has_default_client():
+            # someone else's scheduler became the default meanwhile (leave theirs alone),
+            # or another client of ours is the default now (the name still finds it)
+            return
         self._config.__exit__(None, None, None)
-        previous = dask.config.get("scheduler", None)
-        if getattr(previous, "status", None) == "closed" and hasattr(previous, "_dask_default"):
+        if dask.config.get("scheduler", None) == SCHEDULER_NAME and not has_default_client():
             # the default we replaced was a client of ours that closed in between
             dask.config.set({"scheduler": None})

@@ -42,8 +42,12 @@ import collections
 import concurrent.futures
 import contextvars
 import functools
+import html
+import logging
+import os
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -333,8 +337,10 @@ class Future:
         return self.client.retry([self])
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        """Call ``fn(self)`` once done, on the client's loop thread; errors are logged."""
-        self.client._add_done_callbacks([self], fn)
+        """Call ``fn(self)`` once done, on this process's callback thread (one thread,
+        callbacks in the order they became due, as dask's), where blocking calls such as
+        ``future.result()`` work; an exception it raises is logged."""
+        self.client._add_done_callbacks([self], functools.partial(_on_callback_thread, fn))
 
     def release(self) -> None:
         """Drop this Future's hold on its key now instead of at garbage collection."""
@@ -367,6 +373,22 @@ class Future:
         kind = f", type: {state.type_name}" if state.status == FINISHED and state.type_name else ""
         return f"<Future: {state.status}{kind}, key: {state.key!r}>"
 
+    def _repr_html_(self) -> str:
+        """A notebook's summary: key, status and, once finished, the result's type."""
+        state = self._state
+        rows = [("key", repr(state.key)), ("status", state.status)]
+        if state.status == FINISHED and state.type_name:
+            rows.append(("type", state.type_name))
+        return _html_table("Future", rows)
+
+
+def _html_table(title: str, rows: list) -> str:
+    """A small HTML table of ``(label, text)`` rows under ``title``, every text escaped."""
+    body = "".join(f"<tr><th style='text-align:left'>{html.escape(label)}</th>"
+                   f"<td style='text-align:left'>{html.escape(str(text))}</td></tr>"
+                   for label, text in rows)
+    return f"<div><strong>{html.escape(title)}</strong><table>{body}</table></div>"
+
 
 # ---------------------------------------------------------------------------- pickled futures
 
@@ -394,28 +416,69 @@ def _future_of_key(key) -> Future:
 # ---------------------------------------------------------------------------- default client
 
 
-_default_client: FutureClient | None = None
+_callbacks: concurrent.futures.ThreadPoolExecutor | None = None
+_callbacks_pid: int | None = None
+_callbacks_lock = threading.Lock()
+
+
+def _on_callback_thread(fn: Callable, future: Future) -> None:
+    """Run a user's done callback on the callback thread (made on first use; a forked
+    child makes its own)."""
+    global _callbacks, _callbacks_pid
+    with _callbacks_lock:
+        if _callbacks is None or _callbacks_pid != os.getpid():
+            _callbacks = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="distributed-core-callback")
+            _callbacks_pid = os.getpid()
+        executor = _callbacks
+    executor.submit(_call_logged, fn, future)
+
+
+def _call_logged(fn: Callable, future: Future) -> None:
+    try:
+        fn(future)
+    except Exception:
+        logging.getLogger("distributed_server.client").exception(
+            "done callback %r of %r failed", fn, future)
+
+
+#: The clients made with ``set_as_default=True`` and still open, oldest first (weak
+#: references: an unclosed client that is collected drops out).
+_defaults: list = []
+_defaults_lock = threading.Lock()
+
+
+def _live_defaults() -> list:
+    return [c for c in (ref() for ref in _defaults) if c is not None]
 
 
 def default_client() -> FutureClient:
     """The most recent client made with ``set_as_default=True`` and still open."""
-    if _default_client is None:
+    with _defaults_lock:
+        live = _live_defaults()
+    if not live:
         raise ValueError("no default client: create a Client first")
-    return _default_client
+    return live[-1]
+
+
+def has_default_client() -> bool:
+    """Whether `default_client` has a client to return."""
+    with _defaults_lock:
+        return bool(_live_defaults())
 
 
 def set_default_client(client: FutureClient) -> None:
     """Make ``client`` the one `default_client` returns (a Client made with
     ``set_as_default=True`` calls this once started)."""
-    global _default_client
-    _default_client = client
+    with _defaults_lock:
+        _defaults[:] = [r for r in _defaults if r() is not None and r() is not client]
+        _defaults.append(weakref.ref(client))
 
 
 def forget_default_client(client: FutureClient) -> None:
-    """No default client any more, if ``client`` is it (a closing Client calls this)."""
-    global _default_client
-    if _default_client is client:
-        _default_client = None
+    """``client`` closed: the default is again the most recent one before it, if any."""
+    with _defaults_lock:
+        _defaults[:] = [r for r in _defaults if r() is not None and r() is not client]
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -31,7 +31,7 @@ from .transfers import WorkerTransfers
 
 __all__ = ["ResultsMixin"]
 
-logger = logging.getLogger("distributed_server.client.client")
+logger = logging.getLogger("distributed_server.client")
 
 _SKIPPED = object()  # a failed future left out by gather(errors="skip")
 

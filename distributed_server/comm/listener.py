@@ -46,8 +46,9 @@ __all__ = [
     "listen",
 ]
 
-# The comm layer's logger kept its name when this module left framing.py: log settings
-# and filters name it.
+# Not __name__ on purpose: the admission and connection messages logged here were logged
+# under "distributed_server.comm.framing" before this module left framing.py, and that is
+# the name users' log settings and filters name; renaming it would silently undo them.
 logger = logging.getLogger("distributed_server.comm.framing")
 
 #: Connections still in their handshake, at most, in all and from one host.

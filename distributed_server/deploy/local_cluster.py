@@ -37,8 +37,23 @@ from .processes import (
     start_in_spawner,
     stop_processes,
 )
+from .scheduler_view import SchedulerView
 
 logger = logging.getLogger("distributed_server.cluster")
+
+
+#: The credentials of the clusters this process started and has not closed, by
+#: scheduler address: ``Client(cluster.scheduler_address)`` in the same process finds
+#: them here. Kept in this process's memory only, never written anywhere.
+_CREDENTIALS: dict = {}
+_CREDENTIALS_LOCK = threading.Lock()
+
+
+def local_cluster_security(address: str) -> Security | None:
+    """The `Security` of a LocalCluster this process started whose scheduler listens at
+    ``address`` (``tcp://host:port``), or None."""
+    with _CREDENTIALS_LOCK:
+        return _CREDENTIALS.get(address)
 
 
 class LocalCluster:
@@ -92,6 +107,8 @@ class LocalCluster:
         except BaseException:
             self.close()
             raise
+        with _CREDENTIALS_LOCK:
+            _CREDENTIALS[self.scheduler_address] = self.security
 
     def __repr__(self):
         kind = "processes" if self.processes else "threads"
@@ -256,6 +273,13 @@ class LocalCluster:
         """The scheduler's identity: its workers, task counts, compiled or not."""
         return _run_in_new_loop(_identity(self.scheduler_address, timeout, self.security))
 
+    @property
+    def scheduler(self) -> SchedulerView:
+        """A read-only snapshot of the scheduler, taken now: ``.workers`` (address -> a
+        view with ``name``, ``pid``, ``nthreads``, ``memory_limit``, ...) and the task
+        counts, for code written against dask's ``cluster.scheduler``."""
+        return SchedulerView(self.scheduler_info())
+
     def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
         """Block until the scheduler has ``n`` workers; raise ClusterError on timeout."""
         deadline = time.monotonic() + timeout
@@ -283,6 +307,9 @@ class LocalCluster:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker and the scheduler; wait for the processes to exit."""
+        with _CREDENTIALS_LOCK:
+            if _CREDENTIALS.get(self.scheduler_address) is self.security:
+                del _CREDENTIALS[self.scheduler_address]
         if self._loop_thread is not None:
             for server in [*reversed(self._workers), *reversed(self._servers)]:
                 try:

@@ -49,7 +49,7 @@ class ClientKeyRequests:
         scheduler = self.scheduler
         keys = msg.get("keys")
         if type(keys) not in (list, tuple) or len(keys) <= scheduler.slice_keys:
-            scheduler._stimulus(client_id, "release-keys", scheduler.state.client_releases_keys,
+            scheduler.stimulus(client_id, "release-keys", scheduler.state.client_releases_keys,
                                 client_id, keys)
             return None
         return self._release_keys_in_slices(client_id, keys)
@@ -63,20 +63,20 @@ class ClientKeyRequests:
         try:
             hash(tuple(keys))
         except TypeError:
-            scheduler._reply_error(client_id, "release-keys",
+            scheduler.reply_error(client_id, "release-keys",
                                    ValueError("keys must be hashable"))
             logger.warning("refused 'release-keys' from %s (%s): unhashable keys", client_id,
-                           scheduler._sid("release-keys"))
+                           scheduler.sid("release-keys"))
             return
         size = scheduler.slice_keys
         for i in range(0, len(keys), size):
-            scheduler._stimulus(client_id, "release-keys", scheduler.state.client_releases_keys,
+            scheduler.stimulus(client_id, "release-keys", scheduler.state.client_releases_keys,
                                 client_id, keys[i:i + size])
             await asyncio.sleep(0)
 
     def _desire_keys(self, client_id: str, msg: dict) -> None:
         scheduler = self.scheduler
-        scheduler._stimulus(client_id, "desire-keys", scheduler.state.client_desires_keys,
+        scheduler.stimulus(client_id, "desire-keys", scheduler.state.client_desires_keys,
                             client_id, msg.get("keys"))
 
     def _cancel(self, client_id: str, msg: dict):
@@ -89,7 +89,7 @@ class ClientKeyRequests:
         keys = msg.get("keys")
         if type(keys) in (list, tuple) and len(keys) > scheduler.slice_keys:
             return self._cancel_in_slices(client_id, keys, force, reqid)
-        if scheduler._stimulus(client_id, "cancel", self._tagged_cancel(client_id, reqid),
+        if scheduler.stimulus(client_id, "cancel", self._tagged_cancel(client_id, reqid),
                                client_id, keys, force=force) \
                 and force and scheduler.coordination.held:
             # the pseudo-client's wants may be gone too
@@ -126,13 +126,13 @@ class ClientKeyRequests:
             scheduler.state.check_cancel(client_id, keys, force)
         except InvalidStimulus as exc:
             logger.warning("refused 'cancel' from %s (%s): %s", client_id,
-                           scheduler._sid("cancel"), exc)
-            scheduler._reply_error(client_id, "cancel", exc)
+                           scheduler.sid("cancel"), exc)
+            scheduler.reply_error(client_id, "cancel", exc)
             return
         size = scheduler.slice_keys
         for i in range(0, len(keys), size):
             last = i + size >= len(keys)
-            if not scheduler._stimulus(client_id, "cancel",
+            if not scheduler.stimulus(client_id, "cancel",
                                        self._tagged_cancel(client_id, reqid, answer=last),
                                        client_id, keys[i:i + size], force=force):
                 return
@@ -143,12 +143,12 @@ class ClientKeyRequests:
 
     def _retry(self, client_id: str, msg: dict) -> None:
         scheduler = self.scheduler
-        scheduler._stimulus(client_id, "retry", scheduler.state.retry, client_id,
+        scheduler.stimulus(client_id, "retry", scheduler.state.retry, client_id,
                             msg.get("keys"))
 
     def _who_has(self, client_id: str, msg: dict) -> None:
         scheduler = self.scheduler
-        scheduler._reply(client_id, msg, scheduler.state.who_has(checked_keys(msg)))
+        scheduler.reply(client_id, msg, scheduler.state.who_has(checked_keys(msg)))
 
     def _has_what(self, client_id: str, msg: dict) -> None:
         state = self.scheduler.state
@@ -161,13 +161,13 @@ class ClientKeyRequests:
         for address in workers:
             ws = state.workers.get(address)
             result[address] = [ts.key for ts in ws.has_what] if ws is not None else []
-        self.scheduler._reply(client_id, msg, result)
+        self.scheduler.reply(client_id, msg, result)
 
     def _fire_and_forget(self, client_id: str, msg: dict) -> None:
         """Keep the keys wanted (by `FIRE_AND_FORGET`) until each is done, whatever
         their clients do meanwhile."""
         scheduler = self.scheduler
-        scheduler._stimulus(client_id, "fire-and-forget", scheduler.state.client_desires_keys,
+        scheduler.stimulus(client_id, "fire-and-forget", scheduler.state.client_desires_keys,
                             FIRE_AND_FORGET, checked_keys(msg))
 
     def fired_and_done(self, msgs: list) -> None:
@@ -178,5 +178,5 @@ class ClientKeyRequests:
         if done:
             scheduler = self.scheduler
             asyncio.get_running_loop().call_soon(
-                scheduler._stimulus, FIRE_AND_FORGET, "fire-and-forget-done",
+                scheduler.stimulus, FIRE_AND_FORGET, "fire-and-forget-done",
                 scheduler.state.client_releases_keys, FIRE_AND_FORGET, done)

@@ -95,11 +95,11 @@ class CoordinationService:
                 if comm is not None:
                     send_quietly(comm, msg)
             elif effect[0] == "hold":
-                scheduler._stimulus(COORDINATION_CLIENT, "coordination-hold",
+                scheduler.stimulus(COORDINATION_CLIENT, "coordination-hold",
                                     scheduler.state.client_desires_keys, COORDINATION_CLIENT,
                                     effect[1])
             else:
-                scheduler._stimulus(COORDINATION_CLIENT, "coordination-drop",
+                scheduler.stimulus(COORDINATION_CLIENT, "coordination-drop",
                                     scheduler.state.client_releases_keys, COORDINATION_CLIENT,
                                     effect[1])
         if self.validate:

@@ -44,10 +44,10 @@ class HistoryRequests:
             keys = story_keys(msg.get("keys"))
             timeout = stories.check_timeout(msg.get("timeout", 5.0))
         except ValueError as exc:
-            self.scheduler._reply_failure(client_id, reqid, f"story: {exc}")
+            self.scheduler.reply_failure(client_id, reqid, f"story: {exc}")
             return
         entries = self.scheduler.state.story(*keys)
-        self.scheduler._in_background(self._story_answer(client_id, reqid, keys, entries,
+        self.scheduler.in_background(self._story_answer(client_id, reqid, keys, entries,
                                                          timeout))
 
     async def _story_answer(self, client_id: str, reqid, keys: list, entries: list,
@@ -65,7 +65,7 @@ class HistoryRequests:
         told = {entry[0] for entry in story}
         tasks = self.scheduler.state.tasks
         unknown = [key for key in keys if key not in told and key not in tasks]
-        self.scheduler._reply(client_id, {"reqid": reqid},
+        self.scheduler.reply(client_id, {"reqid": reqid},
                               {"story": story, "silent": silent, "unknown": unknown})
 
     def _scheduler_logs(self, client_id: str, msg: dict) -> None:
@@ -73,9 +73,9 @@ class HistoryRequests:
         try:
             n = logs.check_line_count(msg.get("n"))
         except ValueError as exc:
-            self.scheduler._reply_failure(client_id, msg.get("reqid"), f"scheduler-logs: {exc}")
+            self.scheduler.reply_failure(client_id, msg.get("reqid"), f"scheduler-logs: {exc}")
             return
-        self.scheduler._reply(client_id, msg, logs.recent_lines(n))
+        self.scheduler.reply(client_id, msg, logs.recent_lines(n))
 
     def _worker_logs(self, client_id: str, msg: dict) -> None:
         """``worker-logs {n, timeout, reqid}``: every worker's last ``n`` log lines;
@@ -85,9 +85,9 @@ class HistoryRequests:
             n = logs.check_line_count(msg.get("n"))
             timeout = stories.check_timeout(msg.get("timeout", 5.0))
         except ValueError as exc:
-            self.scheduler._reply_failure(client_id, reqid, f"worker-logs: {exc}")
+            self.scheduler.reply_failure(client_id, reqid, f"worker-logs: {exc}")
             return
-        self.scheduler._in_background(self._worker_logs_answer(client_id, reqid, n, timeout))
+        self.scheduler.in_background(self._worker_logs_answer(client_id, reqid, n, timeout))
 
     async def _worker_logs_answer(self, client_id: str, reqid, n, timeout: float) -> None:
         answers, silent = await self.worker_requests.ask(
@@ -98,7 +98,7 @@ class HistoryRequests:
                 lines[address] = stories.check_logs_answer(answer)
             except ValueError as exc:
                 silent[address] = f"a malformed answer: {exc}"
-        self.scheduler._reply(client_id, {"reqid": reqid}, {"logs": lines, "silent": silent})
+        self.scheduler.reply(client_id, {"reqid": reqid}, {"logs": lines, "silent": silent})
 
     def _task_stream(self, client_id: str, msg: dict) -> None:
         """``task-stream {start, stop, reqid}``: the tasks that ran between the two times
@@ -106,14 +106,14 @@ class HistoryRequests:
         bounds = msg.get("start"), msg.get("stop")
         if not all(b is None or (type(b) in (int, float) and math.isfinite(b))
                    for b in bounds):
-            self.scheduler._reply_failure(
+            self.scheduler.reply_failure(
                 client_id, msg.get("reqid"), f"task-stream: start and stop must be None or "
                 f"numbers, not {bounded_repr(bounds, 100)}")
             return
         tasks = [{"key": key, "worker": worker, "start": start, "stop": stop,
                   "status": "memory" if ok else "erred"}
                  for _, key, worker, start, stop, ok in self.scheduler.task_stream.window(*bounds)]
-        self.scheduler._reply(client_id, msg, {"tasks": tasks,
+        self.scheduler.reply(client_id, msg, {"tasks": tasks,
                                                "counters": self.scheduler.counters()})
 
 

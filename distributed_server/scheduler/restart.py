@@ -120,11 +120,11 @@ class RestartService:
         workers to come back runs in the background."""
         reqid, timeout = msg.get("reqid"), msg.get("timeout", 30.0)
         if type(timeout) not in (int, float) or not 0 < timeout < 1e6:
-            self.scheduler._reply_failure(client_id, reqid, f"restart: timeout must be a "
+            self.scheduler.reply_failure(client_id, reqid, f"restart: timeout must be a "
                                           f"positive number, not {bounded_repr(timeout)}")
             return None
         if self.under_way:
-            self.scheduler._reply_failure(client_id, reqid,
+            self.scheduler.reply_failure(client_id, reqid,
                                           "restart: a restart is already under way")
             return None
         self.under_way = True
@@ -145,14 +145,14 @@ class RestartService:
                         " (started with --no-nanny, or in a LocalCluster(processes=False)); "
                         "nothing was changed")
                 logger.warning("%s (asked by client %s)", text, client_id)
-                scheduler._reply_failure(client_id, reqid, text)
+                scheduler.reply_failure(client_id, reqid, text)
                 self.under_way = False
                 return
             n_before, mark = len(scheduler.state.workers), self._registrations
             forgotten = await self._forget_everything(client_id)
             scheduler.coordination_service.keys_lost()
             if not forgotten:
-                scheduler._reply_failure(client_id, reqid, "restart: the scheduler could not "
+                scheduler.reply_failure(client_id, reqid, "restart: the scheduler could not "
                                                            "forget its tasks (see its log)")
                 self.under_way = False
                 return
@@ -179,7 +179,7 @@ class RestartService:
         last = wanted // scheduler.slice_keys + 10  # then one call without a limit
         for i in itertools.count():
             final = i >= last
-            if not scheduler._stimulus(client_id, "restart", state.restart,
+            if not scheduler.stimulus(client_id, "restart", state.restart,
                                        max_keys=None if final else scheduler.slice_keys):
                 return False
             if final or not state.tasks:
@@ -215,7 +215,7 @@ class RestartService:
         log = logger.info if status == "OK" else logger.warning
         log("restart %s after %.2f s: %d of %d workers are back", status, seconds, fresh,
             n_before)
-        self.scheduler._reply(client_id, {"reqid": reqid},
+        self.scheduler.reply(client_id, {"reqid": reqid},
                               {"status": status, "workers": fresh, "expected": n_before,
                                "seconds": seconds})
 

@@ -4,7 +4,7 @@ The scheduler server's side of ``Client.retire_workers``, ``Client.replicate`` a
 ``Client.rebalance``. The core plans (`SchedulerState` queries: ``workers_to_retire``,
 ``copy_recipients``, ``retirement_plan``, ``replication``, ``surplus_holders``,
 ``rebalance_moves``, ...: addresses and keys in, addresses and keys out); this module only
-carries the plans out, through the core's stimuli, via the server's ``_stimulus``, and
+carries the plans out, through the core's stimuli, via the server's ``stimulus``, and
 reports:
 
 - a copy: ``acquire_replicas(recipient, keys)`` sends the recipient ``acquire-replicas``;
@@ -95,14 +95,14 @@ class ReplicaMover:
                 result = await self.rebalance(keys, _workers_field(msg.get("workers")))
         except RequestError as exc:
             logger.warning("refused %r from %s: %s", op, client_id, exc)
-            self.scheduler._reply_failure(client_id, msg.get("reqid"), f"{op}: {exc}")
+            self.scheduler.reply_failure(client_id, msg.get("reqid"), f"{op}: {exc}")
             return
         except Exception:
             logger.exception("BUG: %r from %s failed", op, client_id)
-            self.scheduler._reply_failure(client_id, msg.get("reqid"),
+            self.scheduler.reply_failure(client_id, msg.get("reqid"),
                                           f"{op} failed in the scheduler (see its log)")
             return
-        self.scheduler._reply(client_id, msg, result)
+        self.scheduler.reply(client_id, msg, result)
 
     def _wanted_keys(self, client_id: str, keys, op: str) -> list:
         """The request's keys, each one the client wants (a client acts on its own keys)."""
@@ -125,7 +125,7 @@ class ReplicaMover:
         asked = []
         refused = set()
         for address, keys in plan.items():
-            if self.scheduler._stimulus("scheduler", "acquire-replicas",
+            if self.scheduler.stimulus("scheduler", "acquire-replicas",
                                         state.acquire_replicas, address, keys):
                 asked.extend((address, key) for key in keys)
             else:  # (logged) counts as failed, so that no plan asks it again forever
@@ -146,7 +146,7 @@ class ReplicaMover:
         for address, keys in drops.items():
             keys = state.droppable(address, keys)  # asked right before each drop
             if keys:
-                self.scheduler._stimulus("scheduler", "remove-replicas",
+                self.scheduler.stimulus("scheduler", "remove-replicas",
                                          state.remove_replicas, address, keys)
 
     def _pool(self, workers, exclude=()) -> list:
@@ -166,7 +166,7 @@ class ReplicaMover:
             state = self.scheduler.state
             leaving = self._choose(workers, n)
             for address in leaving:
-                self.scheduler._stimulus("scheduler", "retire-workers", state.retire_worker,
+                self.scheduler.stimulus("scheduler", "retire-workers", state.retire_worker,
                                          address)
             logger.info("retiring %d worker(s): %s", len(leaving), ", ".join(leaving))
             refused = await self._move_unique_results(leaving)
@@ -178,7 +178,7 @@ class ReplicaMover:
                     refused.setdefault(address, "it left the cluster during its retirement "
                                                 "(results only it held are recomputed)")
                 elif address in refused:
-                    self.scheduler._stimulus("scheduler", "retire-workers",
+                    self.scheduler.stimulus("scheduler", "retire-workers",
                                              state.unretire_worker, address)
                 else:
                     retired[address] = figures[address]

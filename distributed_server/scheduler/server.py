@@ -72,10 +72,13 @@ from .restart import RestartService
 from .retirement import OPS as REPLICA_OPS
 from .retirement import ReplicaMover
 from .streams import MessageError, log_failure, read_loop, refuse, require, send_quietly
-from .worker_info import NO_MEMORY_FIGURES, memory_figures, worker_handshake
+from .worker_info import NO_MEMORY_FIGURES, memory_figures, worker_handshake, worker_process
 from .worker_requests import WorkerRequests
 
 logger = logging.getLogger("distributed_server.scheduler")
+
+#: A worker's process facts when its registration gave none.
+_NO_PROCESS = {"pid": None, "memory_limit": None}
 
 #: Run specs at least this large go to workers as out-of-band blobs.
 BLOB_MIN_BYTES = 64 * 1024
@@ -114,6 +117,10 @@ class Scheduler:
     workers with room (the core's ``balance``), every ``scheduler.work-stealing-interval``
     (100 ms) while two workers or more are registered, when a worker joins, and when a
     worker's reports leave it no task waiting for a thread.
+
+    The services it hosts (client_keys.py, restart.py, history.py, retirement.py,
+    coordination_service.py, ...) act through a small public surface: `stimulus`,
+    `sid`, `reply`, `reply_failure`, `reply_error` and `in_background`.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -176,6 +183,8 @@ class Scheduler:
         self.task_stream = TaskStream()
         #: worker address -> the URL of its HTTP server (from its registration)
         self.worker_dashboards: dict = {}
+        #: worker address -> its process (pid, memory_limit), from its registration
+        self.worker_processes: dict = {}
         self.loop_lag = LoopLagMonitor()  # sampled while the dashboard runs
         self.n_stimuli = 0
         #: malloc_trim once many tasks are forgotten, so the RSS goes back down with them
@@ -316,9 +325,10 @@ class Scheduler:
         try:
             address, nthreads, name, resources, dashboard = worker_handshake(
                 info, self.security.scheme)
+            process = worker_process(info)
             require(address not in self.worker_comms,
                     f"a worker at {address} is already registered")
-            messages = self.state.add_worker(address, nthreads, self._sid("add-worker"),
+            messages = self.state.add_worker(address, nthreads, self.sid("add-worker"),
                                              name=name, resources=resources)
             self.n_stimuli += 1
         except (MessageError, InvalidStimulus) as exc:
@@ -332,6 +342,7 @@ class Scheduler:
         self.worker_comms[address] = comm
         if dashboard is not None:
             self.worker_dashboards[address] = dashboard
+        self.worker_processes[address] = process
         self.last_seen[address] = time.monotonic()
         self.restarts.worker_joined(address)
         self.worker_plugins.worker_joined(comm)  # set up before its first task
@@ -349,10 +360,11 @@ class Scheduler:
             self.last_seen.pop(address, None)
             self.worker_memory.pop(address, None)
             self.worker_dashboards.pop(address, None)
-            self._stimulus(address, "remove-worker", self.state.remove_worker, address,
+            self.worker_processes.pop(address, None)
+            self.stimulus(address, "remove-worker", self.state.remove_worker, address,
                            max_keys=self.slice_keys)
             if address in self.state.departing:
-                self._in_background(self._let_go_of_departed(address))
+                self.in_background(self._let_go_of_departed(address))
             self.restarts.worker_left(address)
             self.replicas.changed()
             logger.info("worker %s left", address)
@@ -366,7 +378,7 @@ class Scheduler:
         at once, and never sends a task to fetch from the departed worker)."""
         while address in self.state.departing:
             await asyncio.sleep(0)
-            self._stimulus(address, "remove-worker", self.state.remove_worker, address,
+            self.stimulus(address, "remove-worker", self.state.remove_worker, address,
                            max_keys=self.slice_keys)
 
     async def _serve_client(self, comm) -> None:
@@ -380,7 +392,7 @@ class Scheduler:
             return
         self.client_comms[client_id] = comm
         self.client_last_seen[client_id] = time.monotonic()
-        self._stimulus(client_id, "add-client", self.state.add_client, client_id)
+        self.stimulus(client_id, "add-client", self.state.add_client, client_id)
         logger.info("client %s connected from %s", client_id, comm.peer_address)
         if self._plugin_hooks.plugins:
             self._plugin_hooks.call("add_client", client=client_id)
@@ -390,25 +402,27 @@ class Scheduler:
             del self.client_comms[client_id]
             self.client_last_seen.pop(client_id, None)
             self.coordination_service.client_gone(client_id)
-            self._stimulus(client_id, "remove-client", self.state.remove_client, client_id)
+            self.stimulus(client_id, "remove-client", self.state.remove_client, client_id)
             logger.info("client %s left", client_id)
             if self._plugin_hooks.plugins:
                 self._plugin_hooks.call("remove_client", client=client_id)
 
-    def _stimulus(self, peer: str, cause: str, stimulus, *args, **kwargs) -> bool:
+    def stimulus(self, peer: str, cause: str, stimulus, *args, **kwargs) -> bool:
         """Run one stimulus of the state machine and send what it returns.
 
-        Returns False if the state machine refused the input (nothing changed; logged).
-        Any other exception is a bug in the state machine: it is logged at ERROR with
+        ``stimulus(*args, stimulus_id, **kwargs)`` is called with a fresh id made from
+        ``cause`` (`sid`); ``peer`` (a client id, a worker address or ``"scheduler"``) is
+        who asked, told of a refusal (`reply_error`). Returns False if the state machine
+        refused the input (nothing changed; logged). Any other exception is a bug in the state machine: it is logged at ERROR with
         the stimulus id and the state is validated; the peer is not blamed.
         """
-        stimulus_id = self._sid(cause)
+        stimulus_id = self.sid(cause)
         self.n_stimuli += 1
         try:
             messages = stimulus(*args, stimulus_id, **kwargs)
         except InvalidStimulus as exc:
             logger.warning("refused %r from %s (%s): %s", cause, peer, stimulus_id, exc)
-            self._reply_error(peer, cause, exc)
+            self.reply_error(peer, cause, exc)
             return False
         except Exception:
             logger.exception("BUG: stimulus %s (%r from %s) raised after it may have changed "
@@ -427,7 +441,7 @@ class Scheduler:
         else:
             logger.warning("the state is still valid after stimulus %s", stimulus_id)
 
-    def _reply_error(self, peer: str, cause: str, exc: Exception) -> None:
+    def reply_error(self, peer: str, cause: str, exc: Exception) -> None:
         """Tell a client why its message was refused (workers get no replies)."""
         comm = self.client_comms.get(peer)
         if comm is not None:
@@ -479,17 +493,17 @@ class Scheduler:
             self._flush_reports(address, finished, erred, steals)
             finished, erred, steals = [], [], []
             if op == "missing-data":
-                self._stimulus(address, op, self.state.missing_data, address, msg.get("key"),
+                self.stimulus(address, op, self.state.missing_data, address, msg.get("key"),
                                msg.get("errant_worker"))
             elif op == "reschedule":
-                self._stimulus(address, op, self.state.reschedule, address, msg.get("key"))
+                self.stimulus(address, op, self.state.reschedule, address, msg.get("key"))
             elif op == "long-running":  # a task seceded: it waits without a thread
-                self._stimulus(address, op, self.state.task_seceded, address, msg.get("key"))
+                self.stimulus(address, op, self.state.task_seceded, address, msg.get("key"))
             elif op == "add-keys":  # it holds copies it was asked for (retirement.py)
-                self._stimulus(address, op, self.state.replicas_added, address, msg.get("keys"))
+                self.stimulus(address, op, self.state.replicas_added, address, msg.get("keys"))
                 self.replicas.changed()
             elif op == "acquire-failed":
-                self._stimulus(address, op, self.state.replicas_failed, address,
+                self.stimulus(address, op, self.state.replicas_failed, address,
                                msg.get("keys"))
                 self.replicas.changed()
             else:
@@ -499,7 +513,7 @@ class Scheduler:
 
     def _flush_reports(self, address: str, finished: list, erred: list,
                        steals: list) -> None:
-        if finished and self._stimulus(address, "task-finished", self.state.task_finished,
+        if finished and self.stimulus(address, "task-finished", self.state.task_finished,
                                        address, finished):
             self.task_stream.record(address, finished, True)
             # the core says when the worker has room with nothing waiting: then do not wait
@@ -508,11 +522,11 @@ class Scheduler:
             if self.work_stealing and self.state.balance_wanted(address) and \
                     time.monotonic() - self._last_balance >= self.stealing_interval / 4:
                 self._balance()
-        if erred and self._stimulus(address, "task-erred", self.state.task_erred, address,
+        if erred and self.stimulus(address, "task-erred", self.state.task_erred, address,
                                     erred):
             self.task_stream.record(address, erred, False)
         if steals:
-            self._stimulus(address, "steal-response", self.state.steal_responses, address,
+            self.stimulus(address, "steal-response", self.state.steal_responses, address,
                            steals)
 
     async def _steal_loop(self) -> None:
@@ -526,7 +540,7 @@ class Scheduler:
 
     def _balance(self) -> None:
         self._last_balance = time.monotonic()
-        self._stimulus("scheduler", "balance", self.state.balance)
+        self.stimulus("scheduler", "balance", self.state.balance)
 
     async def _check_ttl(self) -> None:
         """Remove workers silent for longer than ``worker_ttl``, and disconnect clients
@@ -572,7 +586,7 @@ class Scheduler:
         started = time.perf_counter()
         tasks = msg.get("tasks")
         taken = self.state.stimulus_counter
-        if self._stimulus(client_id, "update-graph", self.state.update_graph, client_id,
+        if self.stimulus(client_id, "update-graph", self.state.update_graph, client_id,
                           tasks, msg.get("keys")):
             self.graph_updates += 1
             self.graph_tasks += len(tasks)
@@ -587,7 +601,7 @@ class Scheduler:
         self.graph_intake_seconds += time.perf_counter() - started
 
     def _update_data(self, client_id: str, msg: dict) -> None:
-        self._stimulus(client_id, "update-data", self.state.update_data, client_id,
+        self.stimulus(client_id, "update-data", self.state.update_data, client_id,
                        msg.get("who_has"), msg.get("nbytes") or {})
 
     def _client_heartbeat(self, client_id: str, msg: dict) -> None:
@@ -632,12 +646,12 @@ class Scheduler:
             name, data, idempotent, timeout = self.worker_plugins.check_register(msg)
         except PluginRequestError as exc:
             logger.warning("refused 'register-worker-plugin' from %s: %s", client_id, exc)
-            self._reply_failure(client_id, reqid, str(exc))
+            self.reply_failure(client_id, reqid, str(exc))
             return
         if idempotent and name in self.worker_plugins.plugins:
-            self._reply(client_id, msg, {"status": "OK", "workers": {}, "silent": {}})
+            self.reply(client_id, msg, {"status": "OK", "workers": {}, "silent": {}})
             return
-        self._in_background(self._answer_plugin_request(
+        self.in_background(self._answer_plugin_request(
             client_id, reqid, self.worker_plugins.register(name, data, timeout)))
 
     def _unregister_worker_plugin(self, client_id: str, msg: dict) -> None:
@@ -646,18 +660,18 @@ class Scheduler:
         try:
             name, timeout = self.worker_plugins.check_unregister(msg)
         except PluginRequestError as exc:
-            self._reply_failure(client_id, reqid, str(exc))
+            self.reply_failure(client_id, reqid, str(exc))
             return
         if name not in self.worker_plugins.plugins:
-            self._reply(client_id, msg, {"status": "missing"})
+            self.reply(client_id, msg, {"status": "missing"})
             return
-        self._in_background(self._answer_plugin_request(
+        self.in_background(self._answer_plugin_request(
             client_id, reqid, self.worker_plugins.unregister(name, timeout)))
 
     async def _answer_plugin_request(self, client_id: str, reqid, request) -> None:
-        self._reply(client_id, {"reqid": reqid}, await request)
+        self.reply(client_id, {"reqid": reqid}, await request)
 
-    def _in_background(self, coro) -> None:
+    def in_background(self, coro) -> None:
         """Run ``coro`` as a task the scheduler keeps until it is done; a failure is a bug
         (logged), never the client's."""
         task = asyncio.get_running_loop().create_task(coro)
@@ -665,7 +679,8 @@ class Scheduler:
         task.add_done_callback(self._background.discard)
         task.add_done_callback(log_failure)
 
-    def _reply_failure(self, client_id: str, reqid, text: str) -> None:
+    def reply_failure(self, client_id: str, reqid, text: str) -> None:
+        """Answer a client's request ``reqid`` with an error (``text``); nothing changed."""
         comm = self.client_comms.get(client_id)
         if comm is not None:
             send_quietly(comm, {"op": "reply", "reqid": reqid, "error": text})
@@ -676,18 +691,19 @@ class Scheduler:
         """``retire-workers``, ``replicate``, ``rebalance``: carried out by
         `ReplicaMover` in the background (the client's later messages are not held up);
         answered when done."""
-        self._in_background(self.replicas.handle(client_id, msg))
+        self.in_background(self.replicas.handle(client_id, msg))
 
     def _versions(self, client_id: str, msg: dict) -> None:
-        self._reply(client_id, msg, versions())
+        self.reply(client_id, msg, versions())
 
     def _identity(self, client_id: str, msg: dict) -> None:
-        self._reply(client_id, msg, self.identity())
+        self.reply(client_id, msg, self.identity())
 
     def identity(self) -> dict:
         """What a client sees of the scheduler (``Client.scheduler_info()``): address,
         version, whether the core is compiled, each worker's figures (the core's
-        ``worker_counts()``, nanny, memory figures), the task counts, the core's
+        ``worker_counts()``, nanny, memory figures, pid and memory limit), the task
+        counts, the core's
         ``counters()`` and its ``prefix_counts()``.
 
         Read from the counters the state machine keeps, never from a walk over the
@@ -699,20 +715,24 @@ class Scheduler:
         for address, figures in workers.items():
             figures["nanny"] = address in supervised
             figures.update(memory.get(address, NO_MEMORY_FIGURES))
+            figures.update(self.worker_processes.get(address, _NO_PROCESS))
         counters = state.counters()
         return {"address": self.address, "workers": workers, "compiled": COMPILED,
                 "version": __version__, "n_tasks": counters["tasks"],
                 "task_counts": counters["task_counts"], "counters": counters,
                 "prefix_counts": state.prefix_counts()}
 
-    def _reply(self, client_id: str, msg: dict, result) -> None:
+    def reply(self, client_id: str, msg: dict, result) -> None:
+        """Answer a client's request ``msg`` (its ``reqid``) with ``result``; dropped if
+        the client is gone."""
         comm = self.client_comms.get(client_id)
         if comm is not None:
             send_quietly(comm, {"op": "reply", "reqid": msg.get("reqid"), "result": result})
 
     # ------------------------------------------------------------------ sending
 
-    def _sid(self, cause: str) -> str:
+    def sid(self, cause: str) -> str:
+        """A fresh stimulus id: ``cause`` and a number."""
         return f"{cause}-{next(self._ids)}"
 
     def _apply(self, messages: tuple) -> None:

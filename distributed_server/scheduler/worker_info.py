@@ -10,7 +10,8 @@ from distributed_core import bounded_repr
 from ..comm import parse_address
 from .streams import MessageError, require
 
-__all__ = ["MAX_CPU", "NO_MEMORY_FIGURES", "memory_figures", "worker_handshake"]
+__all__ = ["MAX_CPU", "NO_MEMORY_FIGURES", "memory_figures", "worker_handshake",
+           "worker_process"]
 
 #: A worker's memory figures before its first heartbeat (or from one that sent none).
 NO_MEMORY_FIGURES = {"memory": None, "managed": None, "spilled": None, "spilled_count": None,
@@ -19,11 +20,24 @@ NO_MEMORY_FIGURES = {"memory": None, "managed": None, "spilled": None, "spilled_
 MAX_CPU = 1e5
 
 
+def worker_process(info: dict) -> dict:
+    """The process facts of a worker's handshake, checked: ``pid`` and ``memory_limit``
+    (bytes, 0: none), each an int or absent (None: an older worker did not say)."""
+    process = {}
+    for name in ("pid", "memory_limit"):
+        value = info.get(name)
+        require(value is None or (type(value) is int and 0 <= value <= 2**62),
+                f"a worker's {name!r} must be an int >= 0, not {bounded_repr(value, 60)}")
+        process[name] = value
+    return process
+
+
 def worker_handshake(info: dict, scheme: str) -> tuple:
     """Check a worker's handshake: (address, nthreads, name, resources, dashboard).
 
     The state machine checks the values themselves; this checks the message's shape.
-    ``dashboard``, the URL of the worker's HTTP server, is optional."""
+    ``dashboard``, the URL of the worker's HTTP server, is optional (see also
+    `worker_process`)."""
     address = info.get("address")
     try:
         require(parse_address(address)[0] == scheme,

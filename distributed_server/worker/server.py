@@ -21,8 +21,8 @@ machine has that key in memory.
   core says so on the task). Reports leave through the batched ``Comm.send``.
 - Fetches inputs from peer workers (``Fetch``: one ``get-data`` per peer and burst) and
   serves peers and clients on its own listener (``get-data``, ``put-data``, ``run``,
-  ``ping``), every step within ``transfer_timeout``, large values in parts
-  (transfers.py); this module turns their outcomes into stimuli (``fetch_done``,
+  ``ping``: `PeerServer`, peer_server.py), every step within ``transfer_timeout``, large
+  values in parts (transfers.py); their outcomes become stimuli (``fetch_done``,
   ``fetch_failed``, ``peer_gone``, ``serve_failed``, ``data_put``).
 - Sends a heartbeat every ``heartbeat_interval``, with its memory figures; the scheduler
   answers each. A scheduler silent for ``scheduler_timeout`` (60 s) counts as lost, as
@@ -74,7 +74,6 @@ from .. import config, logs
 from ..comm import DEFAULT_MAX_FRAME_BYTES, Comm, CommClosedError, connect, listen, parse_address
 from ..comm.peer_pool import PeerPool
 from ..plugins import WorkerPluginHost
-from ..protocol.serialize import loads_data
 from ..security import Security, check_listen_security
 from ..versions import essential
 from .executor import Executor
@@ -87,7 +86,7 @@ from .memory import (
     SpillBuffer,
     check_fractions,
 )
-from .remote_run import run_packed_call
+from .peer_server import PeerServer
 from .reports import ResultCannotTravel, finished_report, sizeof_quietly
 from .scheduler_requests import introspection_reply, plugin_reply
 from .task_context import make_client
@@ -96,13 +95,10 @@ from .transfers import (
     SINGLE_FRAME_REPLY_BYTES,
     TRANSFER_PART_BYTES,
     TRANSFER_TIMEOUT_ENV,
-    BadRequest,
-    data_reply,
     decode_values,
     describe,
     fetch_data,
     refused,
-    serve_requests,
 )
 
 __all__ = ["ResultCannotTravel", "Worker"]
@@ -254,7 +250,8 @@ class Worker:
         self._sids = itertools.count()  # numbers the shell's stimulus ids
 
         self._peer_pool = PeerPool(self.security, MAX_IDLE_PEER_COMMS)  # fetches' comms
-        self._served: set = set()  # comms of peers we answer
+        #: answers peers and clients on the listener (get-data, put-data, run, ping)
+        self.peers = PeerServer(self, self._stimulus, self._sid)
         self._background: set = set()  # fetch tasks (one per peer per burst)
         #: name -> plugin object installed by Client.register_plugin (plugins.py)
         self.plugins: dict = {}
@@ -285,7 +282,7 @@ class Worker:
         logs.install_buffer()
         scheme = self.security.scheme
         self._listener = await listen(_join_address(scheme, self.host, self.port),
-                                      self._serve_peer, {"role": "worker"}, self.security)
+                                      self.peers.serve, {"role": "worker"}, self.security)
         bound_port = self._listener.port
         self.address = self.contact_address or _join_address(
             scheme, _contact_host(self.host, self.scheduler_address), bound_port)
@@ -337,8 +334,7 @@ class Worker:
             await self.http.stop()
         if self._scheduler_comm is not None:
             await self._scheduler_comm.close(timeout=1.0)
-        for comm in self._served:
-            comm.abort()
+        self.peers.abort()
         self._peer_pool.close()
         busy = await self._executor.stop()
         if busy:
@@ -434,6 +430,7 @@ class Worker:
         """The handshake info that registers this worker with the scheduler."""
         return {"role": "worker", "address": self.address, "nthreads": self.nthreads,
                 "name": self.name, "resources": self.resources, "versions": essential(),
+                "pid": os.getpid(), "memory_limit": self.memory_limit,
                 "dashboard": self.http.url if self.http is not None else None}
 
     # ------------------------------------------------------------------ stimuli in, instructions out
@@ -750,64 +747,6 @@ class Worker:
 
     def _running(self) -> bool:
         return self.status == RUNNING_STATUS
-
-    # ------------------------------------------------------------------ serving peers
-
-    async def _serve_peer(self, comm: Comm) -> None:
-        """Answer a peer's requests on its connection until it leaves (transfers.py)."""
-        self._served.add(comm)
-        try:
-            await serve_requests(comm, self._answer, self._run_function,
-                                 part_bytes=self.transfer_part_bytes,
-                                 timeout=self.transfer_timeout, address=self.address)
-        finally:
-            self._served.discard(comm)
-
-    def _answer(self, comm: Comm, msg: dict) -> tuple:
-        """``(reply, parts to send after it)`` for one request."""
-        op = msg["op"]
-        if op == "get-data":
-            return self._get_data(msg)
-        if op == "put-data":
-            if comm.extra.get("role") != "client":  # workers only ever read from peers
-                raise BadRequest(f"put-data from a {comm.extra.get('role')!r} connection")
-            return self._put_data(msg), ()
-        if op == "ping":
-            return {"op": "pong"}, ()
-        raise BadRequest(f"unknown operation {op!r}")
-
-    async def _run_function(self, comm: Comm, msg: dict) -> dict:
-        """``Client.run``: call the client's function here (remote_run.py)."""
-        if comm.extra.get("role") != "client":
-            raise BadRequest(f"run from a {comm.extra.get('role')!r} connection")
-        payload = msg.get("function")
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise BadRequest("run needs the pickled function")
-        return await run_packed_call(payload, self)
-
-    def _get_data(self, msg: dict) -> tuple:
-        """The answer to get-data (transfers.data_reply): ``(reply, parts)``. A value that
-        cannot be serialized is reported missing with the reason, and dropped
-        (``serve_failed``)."""
-        reply, parts, failed = data_reply(
-            msg.get("keys"), self.data, self.state.tasks, in_parts=msg.get("parts") is True,
-            part_bytes=self.transfer_part_bytes,
-            single_frame_bytes=self.single_frame_reply_bytes)
-        if failed:
-            sid = self._sid("serve-failed")
-            for text in failed.values():
-                logger.warning("worker %s (%s): %s", self.address, sid, text)
-            self._stimulus(self.state.serve_failed, failed, sid)
-        return reply, parts
-
-    def _put_data(self, msg: dict) -> dict:
-        items = msg.get("data")
-        if not isinstance(items, dict):
-            raise BadRequest("'put-data' needs a map 'data' of key -> frames")
-        values = {key: loads_data(frames) for key, frames in items.items()}
-        if not self._stimulus(self.state.data_put, values, self._sid("put-data")):
-            raise BadRequest("put-data refused")
-        return {"op": "ok"}
 
 
 # ---------------------------------------------------------------------- helpers

@@ -18,8 +18,9 @@ missing with the reason (``errors``) and handed back to the worker, which drops 
 result serializes, or the task fails with an error naming the key, the type, the size and
 the cause, instead of looping.
 
-What the values mean (the worker core's stimuli) stays with the Worker (server.py); this
-module moves bytes and keeps time. Data is pickled and unpickled on the event loop.
+What the values mean (the worker core's stimuli) stays with the Worker (server.py) and
+its `PeerServer` (peer_server.py); this module moves bytes and keeps time. Data is
+pickled and unpickled on the event loop.
 """
 from __future__ import annotations
 

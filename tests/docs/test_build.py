@@ -72,6 +72,16 @@ def test_the_state_diagrams_show_every_move_of_the_cores_tables(built_docs):
             assert f"{start} \u2192 {finish}</title>" in page, (machine, start, finish)
 
 
+def test_the_layout_table_shows_every_unit_of_the_layout_test_in_its_order(built_docs):
+    page = (built_docs / "architecture.html").read_text()
+    layout = load_extension("dcore_layout")
+    table, package, _ = layout.read_layout(DOCS)
+    start = page.index('<table class="dcore-layout')
+    body = page[page.index("<tbody>", start):page.index("</table>", start)]
+    first_cells = re.findall(r'<tr[^>]*>\s*<td><p><code[^>]*><span class="pre">([^<]+)<', body)
+    assert first_cells == [layout.unit_label(unit, package) for unit in table]
+
+
 # Tags that make a browser fetch something when the page loads.
 _LOADING_TAG = re.compile(
     r"<(?:script|link|img|iframe|source|audio|video|embed|object)\b[^>]*?"

@@ -85,7 +85,7 @@ def test_futures_reach_their_client_only_through_the_protocol():
 
 def test_the_client_implements_the_protocol():
     client = Client.__new__(Client)  # not started: only its members are looked at
-    client.asynchronous = False
+    client._asynchronous, client._loop_thread_id = False, None
     assert isinstance(client, FutureClient)
     assert _protocol_members() <= set(dir(client))
 

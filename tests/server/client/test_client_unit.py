@@ -742,12 +742,14 @@ def test_as_completed_with_results_and_add(client):
     assert sorted(result for _, result in ac) == [2, 3]
 
 
-def test_done_callbacks_run_on_the_loop_and_errors_are_logged(client, caplog):
+def test_done_callbacks_run_on_a_callback_thread_may_block_and_errors_are_logged(client,
+                                                                                caplog):
     called = []
     done = threading.Event()
 
     def callback(future):
-        called.append((future, threading.current_thread().name))
+        # a blocking call works here (as in dask): the callback is not on the loop
+        called.append((future, threading.current_thread().name, future.result(timeout=5)))
         done.set()
 
     future = client.submit(inc, 1)
@@ -755,7 +757,8 @@ def test_done_callbacks_run_on_the_loop_and_errors_are_logged(client, caplog):
     future.add_done_callback(callback)
     with caplog.at_level(logging.ERROR, logger="distributed_server.client"):
         assert done.wait(5)
-    assert called[0][0] is future and called[0][1].endswith("-loop")
+    assert called[0][0] is future and called[0][2] == 2
+    assert called[0][1].startswith("distributed-core-callback")
     until(lambda: "done callback" in caplog.text)
 
 

@@ -1,6 +1,6 @@
-"""Tasks that launch tasks (worker_client.py) on real worker processes: get_worker,
-get_client, secede/rejoin and worker_client, including a fan-out that would deadlock a
-one-thread worker if waiting tasks kept their threads."""
+"""Tasks that launch tasks (worker/task_context.py, client/worker_client.py) on real
+worker processes: get_worker, get_client, secede/rejoin and worker_client, including a
+fan-out that would deadlock a one-thread worker if waiting tasks kept their threads."""
 import sys
 
 import cloudpickle

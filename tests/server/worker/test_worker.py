@@ -402,8 +402,8 @@ def test_deps_of_one_burst_share_one_request_per_peer():
             s.send(a, *(compute(f"x{i}", bytes, i) for i in range(20)))
             await s.wait_for(lambda: len(s.ops("task-finished")) == 20)
             requests = []
-            original = a._get_data
-            a._get_data = lambda msg: requests.append(msg) or original(msg)
+            original = a.peers.get_data
+            a.peers.get_data = lambda msg: requests.append(msg) or original(msg)
             await s.write(b, [
                 compute_call(f"z{i}", Call(total_length, (TaskRef(f"x{i}"),)),
                              {f"x{i}": [a.address]})
@@ -813,8 +813,8 @@ def test_a_large_result_travels_to_a_peer_in_parts_under_its_frame_limit():
             s.send(a, call("x", bytes, 5_000_000))
             await s.wait_for(lambda: s.ops("task-finished"))
             served = []
-            original = a._get_data
-            a._get_data = lambda msg: served.append(original(msg)) or served[-1]
+            original = a.peers.get_data
+            a.peers.get_data = lambda msg: served.append(original(msg)) or served[-1]
             s.send(b, call("z", len, TaskRef("x"), who_has={"x": [a.address]}))
             await s.wait_for(lambda: "z" in s.finished_keys())
             assert b.data == {"z": 5_000_000}
@@ -1049,11 +1049,11 @@ def count_calls(*workers) -> tuple[dict, dict]:
             computed[w] += sum(msg["op"] == "compute-task" for msg in msgs)
             original(msgs, begun)
 
-        def on_get_data(msg, w=w, original=w._get_data):
+        def on_get_data(msg, w=w, original=w.peers.get_data):
             served[w] += 1
             return original(msg)
         w._scheduler_messages = on_compute
-        w._get_data = on_get_data
+        w.peers.get_data = on_get_data
     return computed, served
 
 
