@@ -35,3 +35,15 @@ def dask_scheduler_n_tasks(dask_scheduler):
 def dask_scheduler_saturation(dask_scheduler):
     """Run on dask's scheduler: the worker-saturation it actually uses."""
     return repr(dask_scheduler.WORKER_SATURATION)
+
+
+def second(a, b):
+    """A task that waits on ``a`` (a dependency) and returns ``b``."""
+    return b
+
+
+def wait_for_event(name):
+    """A task that runs until some client sets the event ``name``."""
+    from distributed_server import Event
+
+    Event(name).wait()

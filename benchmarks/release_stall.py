@@ -42,6 +42,7 @@ from distributed_server import Client, LocalCluster, wait  # noqa: E402
 PROBE = r"""
 import sys, time
 from distributed_server import Client
+interval = float(sys.argv[2]) if len(sys.argv) > 2 else 0.002
 with Client(sys.argv[1], set_as_default=False) as client:
     print("ready", flush=True)
     waits = []
@@ -49,7 +50,7 @@ with Client(sys.argv[1], set_as_default=False) as client:
         start = time.perf_counter()
         client.who_has([])
         waits.append((time.time(), time.perf_counter() - start))
-        time.sleep(0.002)
+        time.sleep(interval)
         if len(waits) % 50 == 0 and sys.stdin.readable():
             import select
             if select.select([sys.stdin], [], [], 0)[0]:
@@ -64,9 +65,10 @@ def _env() -> dict:
         HERE, os.environ.get("PYTHONPATH")]))}
 
 
-def _start_probe(cluster, env: dict) -> subprocess.Popen:
+def _start_probe(cluster, env: dict, interval: float = 0.002) -> subprocess.Popen:
+    """The probe client process: ``who_has([])`` every ``interval`` seconds."""
     probe = subprocess.Popen(
-        [sys.executable, "-c", PROBE, cluster.scheduler_address],
+        [sys.executable, "-c", PROBE, cluster.scheduler_address, str(interval)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**env, **cluster.security.environment()})
     assert probe.stdout.readline().strip() == "ready"

@@ -38,7 +38,8 @@ import cloudpickle
 
 from ..comm import Blob
 from ..protocol.coordination_limits import BLOB_MIN_BYTES, MAX_NAME_CHARS, CoordinationLimits
-from .futures import default_client, pickled_keys, unpickling_client
+from .futures import pickled_keys, unpickling_client
+from .worker_client import get_client
 
 __all__ = ["Event", "Lock", "Pub", "Queue", "Semaphore", "Sub", "Variable"]
 
@@ -166,10 +167,11 @@ class _Primitive:
 
     @property
     def client(self):
-        """The client given, else the default client (the most recent one open)."""
+        """The client given; else, in a task, the worker's client; else the default
+        client (the most recent one open)."""
         if self._client is None:
             try:
-                self._client = default_client()
+                self._client = get_client()
             except ValueError:
                 raise ValueError(f"{self!r} has no client: pass client=, or create a Client "
                                  "first (in a task too)") from None

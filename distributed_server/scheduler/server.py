@@ -71,7 +71,15 @@ from .restart import OPS as RESTART_OPS
 from .restart import RestartService
 from .retirement import OPS as REPLICA_OPS
 from .retirement import ReplicaMover
-from .streams import MessageError, log_failure, read_loop, refuse, require, send_quietly
+from .streams import (
+    LOOP_TURN,
+    MessageError,
+    log_failure,
+    read_loop,
+    refuse,
+    require,
+    send_quietly,
+)
 from .worker_info import NO_MEMORY_FIGURES, memory_figures, worker_handshake, worker_process
 from .worker_requests import WorkerRequests
 
@@ -84,9 +92,6 @@ _NO_PROCESS = {"pid": None, "memory_limit": None}
 BLOB_MIN_BYTES = 64 * 1024
 #: Longest client id accepted; it must be printable (it appears in the log).
 MAX_CLIENT_ID = 256
-#: A client's batch is handled in turns of about this long; between turns the scheduler
-#: serves every other peer (a release of a million futures must not stall them).
-TURN_SECONDS = 0.02
 #: A release-keys message over this many keys is applied in slices of this many keys,
 #: one stimulus each, so that no single stimulus holds the event loop for long; so are a
 #: restart and the results of a worker that left (``dcore.scheduler.slice-keys``).
@@ -566,7 +571,7 @@ class Scheduler:
 
     async def _handle_client_batch(self, client_id: str, msgs: list) -> None:
         self.client_last_seen[client_id] = time.monotonic()
-        turn_end = time.monotonic() + TURN_SECONDS
+        turn = LOOP_TURN
         for msg in msgs:
             op = msg["op"]
             if op == "close-client":
@@ -578,9 +583,8 @@ class Scheduler:
             pending = handler(client_id, msg)
             if pending is not None:
                 await pending
-            if time.monotonic() > turn_end:
-                await asyncio.sleep(0)  # let every other peer be served
-                turn_end = time.monotonic() + TURN_SECONDS
+            if turn.over():
+                await turn.give_way()  # let every other peer be served
 
     def _update_graph(self, client_id: str, msg: dict) -> None:
         started = time.perf_counter()

@@ -5,8 +5,9 @@ with a worker of two threads. Two clients in this process (two connections) coor
 through each primitive; other clients run in processes of their own, one of which is
 SIGKILLed while it holds a lock. Futures travel inside variables, queues and Pub/Sub and
 their tasks outlive the client that made them. Bad input is refused with a clear error
-and changes nothing. There is no ``get_client()`` yet: a task that uses a primitive
-opens a Client of its own (the worker's environment holds the cluster's credentials).
+and changes nothing. A task uses a primitive through the worker's client (no client
+passed, as in dask), or through a Client of its own (the worker's environment holds the
+cluster's credentials).
 """
 import asyncio
 import functools
@@ -336,6 +337,23 @@ def test_a_task_uses_primitives_through_a_client_of_its_own(cluster, a):
     assert lock.acquire(timeout=10)
     lock.release()
     Variable("task-input", client=a).delete()
+
+
+def wait_then_read(gate_name):
+    """A task that passes no client: the primitives use the worker's."""
+    Event(gate_name).wait(timeout=30)
+    return Variable("after-gate").get(timeout=30)
+
+
+def test_a_task_uses_primitives_through_the_workers_client(a):
+    gate = Event("gate", client=a)
+    task = a.submit(wait_then_read, gate.name, pure=False)
+    Variable("after-gate", client=a).set("opened")
+    time.sleep(0.2)
+    assert not task.done()
+    gate.set()
+    assert task.result(timeout=30) == "opened"
+    Variable("after-gate", client=a).delete()
 
 
 HOLDER = """

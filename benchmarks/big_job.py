@@ -1,0 +1,293 @@
+"""Does a big job stall the scheduler for everyone else, in any of its phases?
+
+A LocalCluster (2 workers of 1 thread) runs the big job of one client while a second
+client process, the probe, makes O(1) round trips to the scheduler (``who_has([])``)
+every 10 ms. Each round trip is counted in the phase it started in. Printed: the probe's
+worst and 99th-percentile wait per phase, how long each phase took, the scheduler's RSS
+(at the start, its peak in each phase, at the end) and the caller's CPU per task of
+intake. The target (issue 25) is a worst wait under 100 ms in every phase.
+
+Jobs (``--jobs``, all by default):
+
+- ``map``: ``client.map(noop, range(N), pure=False)``: intake (until ``map`` returns),
+  run (until every future is done), gather, release (until the scheduler holds no task).
+- ``dask``: a dask.array graph of about N tasks (``(da.ones(N, chunks=1) + 1).sum()``):
+  dask's own graph building (reported apart), intake (``client.compute``), run, release.
+- ``cancel``: N / 10 futures waiting on one sleeping task are cancelled; the phase ends
+  when the next ``submit(inc, 1).result()`` returns (its time is printed too).
+- ``death``: the worker holding the N results of a map is SIGKILLed; the phase ends when
+  the survivor holds all N again.
+
+::
+
+    python benchmarks/big_job.py 1000000
+    python benchmarks/big_job.py 200000 --jobs map,cancel --json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import psutil  # noqa: E402
+from _e2e_tasks import inc, noop, second, wait_for_event  # noqa: E402
+from e2e import save_results  # noqa: E402
+from release_stall import _env, _gc_pauses, _probe_waits, _start_probe  # noqa: E402
+
+from distributed_server import Client, Event, LocalCluster, wait  # noqa: E402
+
+TARGET_WORST_MS = 100.0
+#: Seconds between the probe's requests.
+PROBE_INTERVAL = 0.01
+
+
+class Phases:
+    """Phase marks on the wall clock, and the scheduler's RSS sampled every 50 ms."""
+
+    def __init__(self, scheduler_pid: int):
+        self.marks: list[tuple[str, float, float]] = []
+        self.peak: dict[str, int] = {}
+        self.process = psutil.Process(scheduler_pid)
+        self.rss_start = self.process.memory_info().rss
+        self._current: str | None = None
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            name = self._current
+            if name is not None:
+                rss = self.process.memory_info().rss
+                self.peak[name] = max(self.peak.get(name, 0), rss)
+
+    def begin(self, name: str) -> float:
+        self._current = name
+        self._started = time.time()
+        return self._started
+
+    def end(self) -> float:
+        ended = time.time()
+        self.marks.append((self._current, self._started, ended))
+        self.peak[self._current] = max(self.peak.get(self._current, 0),
+                                       self.process.memory_info().rss)
+        self._current = None
+        return ended
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sampler.join()
+
+    def figures(self, waits: list) -> list[dict]:
+        """Per phase: seconds, probe requests, worst and p99 wait, peak RSS."""
+        out = []
+        for name, start, stop in self.marks:
+            during = sorted(w for at, w in waits if start <= at - w <= stop)
+            out.append({
+                "phase": name, "seconds": stop - start, "probe_requests": len(during),
+                "worst_ms": 1e3 * max(during, default=0.0),
+                "p99_ms": 1e3 * during[int(0.99 * (len(during) - 1))] if during else 0.0,
+                "peak_rss_mib": self.peak.get(name, 0) / 2**20,
+            })
+        return out
+
+
+def _scheduler_pid() -> int:
+    for child in psutil.Process().children(recursive=True):
+        if "scheduler" in " ".join(child.cmdline()):
+            return child.pid
+    raise RuntimeError("no scheduler process found")
+
+
+def _n_tasks(cluster) -> int:
+    return cluster.scheduler_info()["n_tasks"]
+
+
+def _until_empty(cluster, leave: int = 0) -> None:
+    while _n_tasks(cluster) > leave:
+        time.sleep(0.05)
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def job_map(client, cluster, phases: Phases, n: int) -> dict:
+    """Intake, run, gather and release of a map of ``n`` no-op tasks."""
+    phases.begin("map: intake")
+    cpu = _cpu()
+    futures = client.map(noop, range(n), pure=False)
+    cpu = _cpu() - cpu
+    phases.end()
+    phases.begin("map: run")
+    wait(futures)
+    phases.end()
+    phases.begin("map: gather")
+    results = client.gather(futures)
+    phases.end()
+    assert len(results) == n
+    phases.begin("map: release")
+    del futures, results
+    _until_empty(cluster)
+    phases.end()
+    return {"map_intake_caller_cpu_us_per_task": 1e6 * cpu / n}
+
+
+def job_dask(client, cluster, phases: Phases, n: int) -> dict:
+    """A dask.array graph of about ``n`` tasks: build (dask), intake, run, release."""
+    import dask
+    import dask.array as da
+
+    phases.begin("dask: build (dask's own)")
+    total = (da.ones(n, chunks=1) + 1).sum()
+    graph = dict(total.__dask_graph__())
+    tasks = len(graph)
+    del graph
+    phases.end()
+    phases.begin("dask: intake")
+    cpu = _cpu()
+    with dask.config.set(scheduler=None):
+        future = client.compute(total)
+    cpu = _cpu() - cpu
+    phases.end()
+    phases.begin("dask: run")
+    assert future.result() == 2 * n
+    phases.end()
+    phases.begin("dask: release")
+    del future
+    _until_empty(cluster)
+    phases.end()
+    return {"dask_tasks": tasks, "dask_intake_caller_cpu_us_per_task": 1e6 * cpu / tasks}
+
+
+def job_cancel(client, cluster, phases: Phases, n: int) -> dict:
+    """Cancel ``n // 10`` pending futures; the next round trip ends the phase."""
+    count = max(1, n // 10)
+    gate = Event(client=client)
+    blocker = client.submit(wait_for_event, gate.name, pure=False)
+    futures = client.map(second, [blocker] * count, range(count), pure=False)
+    while _n_tasks(cluster) < count + 1:
+        time.sleep(0.1)
+    phases.begin("cancel: cancel + next round trip")
+    client.cancel(futures)
+    start = time.perf_counter()
+    assert client.submit(inc, 1, pure=False).result() == 2
+    round_trip = time.perf_counter() - start
+    _until_empty(cluster, leave=1)
+    phases.end()
+    gate.set()
+    blocker.result()
+    del futures, blocker
+    _until_empty(cluster)
+    return {"cancelled": count, "next_round_trip_s": round_trip}
+
+
+def job_death(client, cluster, phases: Phases, n: int) -> dict:
+    """The worker holding ``n`` results is SIGKILLed; ends when all are held again."""
+    cluster.scale(1)
+    client.wait_for_workers(1, timeout=60)
+    futures = client.map(noop, range(n), pure=False)
+    wait(futures)
+    (victim, pid), = client.run(os.getpid).items()
+    cluster.scale(2)
+    client.wait_for_workers(2, timeout=60)
+    time.sleep(0.5)
+    phases.begin("death: SIGKILL until recomputed")
+    os.kill(pid, signal.SIGKILL)
+    while victim in cluster.scheduler_info()["workers"]:
+        time.sleep(0.02)
+    while cluster.scheduler_info()["task_counts"].get("memory", 0) < n:
+        time.sleep(0.05)
+    phases.end()
+    del futures
+    _until_empty(cluster)
+    return {}
+
+
+JOBS = {"map": job_map, "dask": job_dask, "cancel": job_cancel, "death": job_death}
+
+
+def run(n: int, jobs: list[str]) -> dict:
+    env = _env()
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the workers import the task functions
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0",
+                      memory_limit=0) as cluster, \
+            Client(cluster, set_as_default=False, timeout=120) as client:
+        phases = Phases(_scheduler_pid())
+        probe = _start_probe(cluster, env, PROBE_INTERVAL)
+        time.sleep(0.5)
+        extra: dict = {}
+        try:
+            for name in jobs:
+                extra.update(JOBS[name](client, cluster, phases, n))
+        finally:
+            waits = _probe_waits(probe)
+            phases.close()
+        rss_end = phases.process.memory_info().rss
+        gc_pauses = _gc_pauses(cluster)
+    return {"n": n, "jobs": jobs, "phases": phases.figures(waits),
+            "scheduler_gc_longest_ms": {g: 1e3 * longest for g, (_, longest) in gc_pauses.items()},
+            "scheduler_gc_total_s": sum(total for total, _ in gc_pauses.values()),
+            "scheduler_rss_start_mib": phases.rss_start / 2**20,
+            "scheduler_rss_end_mib": rss_end / 2**20, **extra}
+
+
+def report(result: dict) -> str:
+    lines = [(f"N = {result['n']:,}; probe: who_has([]) every {1e3 * PROBE_INTERVAL:.0f} ms "
+              f"from a second client; target: worst wait < {TARGET_WORST_MS:.0f} ms in every "
+              "phase"),
+             (f"{'phase':36} {'seconds':>8} {'requests':>9} {'worst ms':>9} "
+              f"{'p99 ms':>7} {'peak RSS MiB':>13}  target")]
+    for p in result["phases"]:
+        own = p["phase"].endswith("(dask's own)")
+        verdict = "-" if own else ("met" if p["worst_ms"] < TARGET_WORST_MS else "MISSED")
+        lines.append(f"{p['phase']:36} {p['seconds']:8.2f} {p['probe_requests']:9d} "
+                     f"{p['worst_ms']:9.1f} {p['p99_ms']:7.1f} {p['peak_rss_mib']:13.0f}  "
+                     f"{verdict}")
+    lines.append(f"scheduler RSS: {result['scheduler_rss_start_mib']:.0f} MiB at the start, "
+                 f"{result['scheduler_rss_end_mib']:.0f} MiB at the end")
+    longest = ", ".join(f"gen {g} {ms:.0f} ms" for g, ms in
+                        sorted(result["scheduler_gc_longest_ms"].items()))
+    lines.append(f"scheduler garbage collection: {result['scheduler_gc_total_s']:.2f} s in all; "
+                 f"longest pause: {longest}")
+    for key in ("map_intake_caller_cpu_us_per_task", "dask_intake_caller_cpu_us_per_task"):
+        if key in result:
+            lines.append(f"{key.replace('_', ' ')}: {result[key]:.2f}")
+    if "next_round_trip_s" in result:
+        lines.append(f"cancel of {result['cancelled']:,} pending futures: next round trip "
+                     f"{1e3 * result['next_round_trip_s']:.0f} ms (target < 1,000 ms)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("n", type=int, nargs="?", default=1_000_000, help="tasks per job")
+    parser.add_argument("--jobs", default=",".join(JOBS),
+                        help=f"comma-separated, of {', '.join(JOBS)}")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args(argv)
+    jobs = args.jobs.split(",")
+    unknown = set(jobs) - set(JOBS)
+    if unknown:
+        parser.error(f"unknown jobs: {', '.join(sorted(unknown))}")
+    started = datetime.datetime.now()
+    result = run(args.n, jobs)
+    print(json.dumps(result, indent=1) if args.json else report(result))
+    if not args.no_save:
+        print("saved", save_results("big-job", result, started, quick=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
