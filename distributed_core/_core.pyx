@@ -842,6 +842,9 @@ class SchedulerState:
     _durations: dict  # name -> (duration_average, n_durations) of a dropped prefix; bounded
     _tasks_peak: cython.Py_ssize_t  # most tasks held since the tables were last rebuilt
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
+    forget_slice: cython.Py_ssize_t  # most tasks one stimulus forgets; 0: no limit
+    _forget_budget: cython.Py_ssize_t  # forgets this stimulus may still do; -1: no limit
+    _forget_later: dict  # TaskState -> None: to forget, left for forget_more
     generation: cython.Py_ssize_t
     queue_seq: cython.Py_ssize_t
     queue_picks: cython.Py_ssize_t  # queued tasks taken for workers, ever
@@ -869,7 +872,7 @@ class SchedulerState:
     def __init__(self, *, validate: bool = False, worker_saturation: float = 1.1,
                  queue_horizon: float = 0.05, allowed_failures: int = 3, default_duration: float = 0.5,
                  transition_log_length: int = 10_000, clock=None,
-                 max_transitions_per_stimulus=None):
+                 max_transitions_per_stimulus=None, forget_slice=None):
         self.tasks = {}
         if not worker_saturation > 0:
             raise ValueError(f"worker_saturation must be positive, not {worker_saturation!r}")
@@ -879,6 +882,13 @@ class SchedulerState:
             raise ValueError("max_transitions_per_stimulus must be a positive int or None, "
                              f"not {max_transitions_per_stimulus!r}")
         self.max_transitions_per_stimulus = max_transitions_per_stimulus or 0
+        if forget_slice is not None and (type(forget_slice) is not int
+                                         or not 1 <= forget_slice <= _INT64_MAX):
+            raise ValueError(f"forget_slice must be a positive int or None, not "
+                             f"{forget_slice!r}")
+        self.forget_slice = forget_slice or 0
+        self._forget_budget = -1
+        self._forget_later = {}
         self.workers = {}
         self.departing = {}
         self.clients = {}
@@ -1460,6 +1470,7 @@ class SchedulerState:
         cs: ClientState
         ts: TaskState
         budget: cython.Py_ssize_t = max_keys if max_keys is not None else _INT64_MAX
+        self._forget_budget = -1  # a restart forgets all it drops (its slices: max_keys)
         for cs in self.clients.values():
             if budget <= 0:
                 break
@@ -1475,11 +1486,53 @@ class SchedulerState:
                                    "reason": RESTART_REASON})
             for ts in wanted:
                 self._drop_want(ts, cs)
+        self._recommend_forget_later(len(self._forget_later))
         self._engine()
         if self.validate and not any([cs.wants_what for cs in self.clients.values()]):
             _check(not self.tasks, f"{len(self.tasks)} tasks survived a restart, e.g. "
                                    f"{next(iter(self.tasks.values()), None)}")
         return self._end()
+
+    def forget_more(self, stimulus_id) -> tuple:
+        """Forget what earlier stimuli left to forget (`forget_backlog`).
+
+        With ``forget_slice`` set, one stimulus forgets at most that many tasks; the rest
+        of what nobody needs any more (the tasks of a released graph of a million) stays
+        released, or in memory, or erred, until this forgets the next slice. Call it
+        while ``forget_backlog`` is not 0. A task that became needed again meanwhile is
+        kept."""
+        _check_str(stimulus_id, "stimulus_id")
+        self._begin(stimulus_id)
+        self._recommend_forget_later(self.forget_slice if self.forget_slice > 0
+                                     else len(self._forget_later))
+        return self._end()
+
+    @property
+    def forget_backlog(self) -> int:
+        """How many tasks wait to be forgotten by `forget_more` (0: nothing to do)."""
+        return len(self._forget_later)
+
+    @cython.cfunc
+    def _recommend_forget_later(self, n: cython.Py_ssize_t) -> None:
+        """Take up to ``n`` tasks off the forget backlog, oldest first, and recommend
+        forgetting those that nobody needs (one needed again meanwhile is kept)."""
+        ts: TaskState
+        later: dict = self._forget_later
+        if n >= len(later):
+            taken = list(later)
+            self._forget_later = {}
+        else:
+            taken = []
+            for ts in later:
+                if len(taken) >= n:
+                    break
+                taken.append(ts)
+            for ts in taken:
+                del later[ts]
+        for ts in taken:
+            if (ts.state_id != _S_FORGOTTEN and ts.who_wants is None
+                    and ts.dependents is None and ts.n_waiters == 0):
+                self._recs[ts] = _S_FORGOTTEN
 
     # ------------------------------------------------------------------ replicas, retirement
     #
@@ -2476,6 +2529,7 @@ class SchedulerState:
         self._stimulus_id = stimulus_id
         self._now = self.clock()
         self.stimulus_counter += 1
+        self._forget_budget = self.forget_slice if self.forget_slice > 0 else -1
 
     @cython.cfunc
     def _end(self) -> tuple:
@@ -2540,6 +2594,16 @@ class SchedulerState:
             finish = _S_RELEASED if ts.dependents is not None else _S_FORGOTTEN
         if start == finish:
             return
+        if finish == _S_FORGOTTEN and self._forget_budget >= 0:
+            if self._forget_budget == 0:
+                # this stimulus forgot its share: the rest waits for forget_more (a
+                # released graph of a million tasks must not hold the server for seconds)
+                if start == _S_RELEASED or start == _S_MEMORY or start == _S_ERRED:
+                    self._forget_later[ts] = None
+                    return
+                finish = _S_RELEASED  # stop it here; _after_release parks it
+            else:
+                self._forget_budget -= 1
         # try/finally: a transition that raises (a bug) after it moved the task still
         # has the move counted and logged, so the counters stay true to the tasks.
         if _allowed(start, finish):
@@ -3638,6 +3702,9 @@ class SchedulerState:
             _check(ts.key == key, f"{key!r} is stored as {ts.key!r}")
             self._validate_task(ts)
             self._validate_settled(ts)
+        for ts in self._forget_later:
+            _check(ts.state_id == _S_FORGOTTEN or self.tasks.get(ts.key) is ts,
+                   f"{ts} waits to be forgotten but is not stored")
         n_queued = 0
         for ts in self.tasks.values():
             if ts.state_id == _S_QUEUED:
@@ -3770,14 +3837,16 @@ class SchedulerState:
     def _validate_settled(self, ts: TaskState) -> None:
         """Between stimuli nothing is stuck and nothing is kept that nobody needs."""
         needed: cython.bint = ts.who_wants is not None or ts.n_waiters > 0
+        later: cython.bint = ts in self._forget_later  # kept until forget_more
         if ts.state_id == _S_RELEASED:
             _check(not needed, f"{ts} is needed but not running")
-            _check(ts.dependents is not None, f"{ts} is kept but nothing refers to it")
+            _check(ts.dependents is not None or later, f"{ts} is kept but nothing refers to it")
         elif ts.state_id == _S_ERRED:
-            _check(ts.who_wants is not None or ts.dependents is not None,
+            _check(ts.who_wants is not None or ts.dependents is not None or later,
                    f"{ts} is kept but nothing refers to it")
         else:
-            _check(needed, f"{ts} is {ts.state} but nobody needs it")
+            _check(needed or (later and ts.state_id == _S_MEMORY),
+                   f"{ts} is {ts.state} but nobody needs it")
         if ts.state_id == _S_WAITING:
             _check(ts.n_waiting_on > 0, f"{ts} is waiting on nothing")
 

@@ -96,6 +96,9 @@ MAX_CLIENT_ID = 256
 #: one stimulus each, so that no single stimulus holds the event loop for long; so are a
 #: restart and the results of a worker that left (``dcore.scheduler.slice-keys``).
 RELEASE_SLICE_KEYS = config.SETTINGS["scheduler.slice-keys"][1]
+#: A stimulus forgets at most this many tasks per key of ``slice-keys`` (forgetting is
+#: cheaper than releasing a key: 5,000 take about 10 ms).
+FORGET_SLICE_PER_KEY = 5
 
 
 class Scheduler:
@@ -146,8 +149,6 @@ class Scheduler:
         worker_saturation = config.get("scheduler.worker-saturation", worker_saturation)
         allowed_failures = config.get("scheduler.allowed-failures", allowed_failures)
         client_idle_timeout = config.get("scheduler.client-idle-timeout", client_idle_timeout)
-        #: Keys per stimulus in a long operation (a huge release, a restart, a departure).
-        self.slice_keys = config.get("scheduler.slice-keys")
         self.security = security if security is not None else Security()
         check_listen_security(host, self.security, insecure, "scheduler")
         self.insecure = insecure
@@ -157,8 +158,13 @@ class Scheduler:
 
             dashboard_host, _ = parse_http_address(dashboard_address, host)
             check_listen_security(dashboard_host, self.security, insecure, "dashboard")
+        #: Keys per stimulus in a long operation (a huge release, a restart, a departure).
+        self.slice_keys = config.get("scheduler.slice-keys")
+        # a stimulus forgets at most this many tasks, the rest in turns (_forget_in_turns)
         self.state = SchedulerState(validate=validate, worker_saturation=worker_saturation,
-                                    allowed_failures=allowed_failures, clock=time.time)
+                                    allowed_failures=allowed_failures, clock=time.time,
+                                    forget_slice=FORGET_SLICE_PER_KEY * self.slice_keys)
+        self._forgetting = False
         self.host = host
         self.port = port
         self.worker_ttl = worker_ttl
@@ -436,7 +442,20 @@ class Scheduler:
             return False
         self._apply(messages)
         self.heap_trimmer.held(len(self.state.tasks))
+        if self.state.forget_backlog and not self._forgetting:
+            self._forgetting = True
+            self.in_background(self._forget_in_turns())
         return True
+
+    async def _forget_in_turns(self) -> None:
+        """What the core left to forget (a released graph of a million tasks), a slice
+        a stimulus, with a turn for every other peer in between."""
+        try:
+            while self.state.forget_backlog:
+                await LOOP_TURN.give_way()
+                self.stimulus("scheduler", "forget", self.state.forget_more)
+        finally:
+            self._forgetting = False
 
     def _validate_after_bug(self, stimulus_id: str) -> None:
         try:

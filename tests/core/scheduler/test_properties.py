@@ -142,9 +142,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(saturation=st.sampled_from([1.0, 1.1, 2.0, float("inf")]),
                 allowed_failures=st.integers(1, 3),
                 workers=st.lists(st.sampled_from(POOL), min_size=1, max_size=4, unique=True),
-                nthreads=st.integers(1, 3), graph=graphs("t"))
-    def start(self, saturation, allowed_failures, workers, nthreads, graph):
-        self.sim = Sim(worker_saturation=saturation, allowed_failures=allowed_failures)
+                nthreads=st.integers(1, 3), graph=graphs("t"),
+                forget_slice=st.sampled_from([None, 1, 2, 5]))
+    def start(self, saturation, allowed_failures, workers, nthreads, graph, forget_slice):
+        self.sim = Sim(worker_saturation=saturation, allowed_failures=allowed_failures,
+                       forget_slice=forget_slice)
         for address in workers:
             self.join(address, nthreads)
         tasks, keys = graph
@@ -182,6 +184,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         """The next slice of a departure in slices."""
         if self.state.departing:
             self.sim.remove_worker(pick(sorted(self.state.departing), i), max_keys=max_keys)
+            self.remember_told()
+
+    @rule()
+    def forgetting_goes_on(self):
+        """The next slice of what a stimulus left to forget (with ``forget_slice``)."""
+        if self.state.forget_backlog:
+            self.sim.record(self.state.forget_more(self.sim.sid("forget")))
             self.remember_told()
 
     @rule(i=INDEX, picks=PICKS)
@@ -403,6 +412,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sim.release(self.wanted("c1"), client="c1")
         self.sim.remove_client("c2")
         self.sim.remove_client("c1")
+        for _ in range(1000):
+            if not self.state.forget_backlog:
+                break
+            self.sim.record(self.state.forget_more(self.sim.sid("forget")))
+        assert self.state.forget_backlog == 0
         assert self.state.tasks == {}
         assert self.state.n_queued == 0 and len(self.state.unrunnable) == 0
         for ws in self.state.workers.values():
@@ -433,7 +447,8 @@ class StealsWithoutQueue(SchedulerMachine):
                 workers=st.lists(st.sampled_from(POOL), min_size=1, max_size=4, unique=True),
                 nthreads=st.integers(1, 3), graph=graphs("t"))
     def start(self, allowed_failures, workers, nthreads, graph):
-        SchedulerMachine.start(self, float("inf"), allowed_failures, workers, nthreads, graph)
+        SchedulerMachine.start(self, float("inf"), allowed_failures, workers, nthreads, graph,
+                               forget_slice=None)
 
 
 TestStealsWithoutQueue = StealsWithoutQueue.TestCase

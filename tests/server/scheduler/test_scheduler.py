@@ -393,6 +393,36 @@ def test_a_huge_release_is_applied_in_slices_and_others_are_served_meanwhile():
     run(main())
 
 
+def test_a_released_big_graph_is_forgotten_in_slices_and_others_are_served_meanwhile():
+    """Releasing the one wanted key of a reduction lets its whole graph go: the core
+    forgets a slice per stimulus (``forget_slice``) and the server takes the next slice
+    in a later turn."""
+    n = 60_000
+
+    async def main():
+        async with Scheduler(validate=False) as s:
+            await _worker(s)
+            big, other = await _client(s, "big"), await _client(s, "other")
+            leaves = [("leaf", i) for i in range(n)]
+            big.send({"op": "update-graph", "keys": ["total"],
+                      "tasks": [{"key": k, "spec": b"S"} for k in leaves]
+                      + [{"key": "total", "spec": b"S", "deps": leaves}]})
+            while len(s.state.tasks) < n + 1:
+                await asyncio.sleep(0.01)
+            assert s.state.forget_slice < n
+            stimuli = s.state.stimulus_counter
+            big.send({"op": "release-keys", "keys": ["total"]})
+            await asyncio.sleep(0.001)
+            seen = (await _request(other, "identity"))["n_tasks"]
+            assert 0 < seen < n + 1  # answered while the graph was being forgotten
+            while s.state.tasks:
+                await asyncio.sleep(0.01)
+            assert s.state.stimulus_counter - stimuli >= n // s.state.forget_slice
+            assert s.state.forget_backlog == 0
+
+    run(main())
+
+
 def test_a_huge_cancel_is_applied_in_slices_and_answered_once():
     n = 60_000
 
