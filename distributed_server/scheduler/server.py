@@ -424,8 +424,9 @@ class Scheduler:
         ``stimulus(*args, stimulus_id, **kwargs)`` is called with a fresh id made from
         ``cause`` (`sid`); ``peer`` (a client id, a worker address or ``"scheduler"``) is
         who asked, told of a refusal (`reply_error`). Returns False if the state machine
-        refused the input (nothing changed; logged). Any other exception is a bug in the state machine: it is logged at ERROR with
-        the stimulus id and the state is validated; the peer is not blamed.
+        refused the input (nothing changed; logged). Any other exception is a bug in the
+        state machine: it is logged at ERROR with the stimulus id and the state is
+        validated; the peer is not blamed.
         """
         stimulus_id = self.sid(cause)
         self.n_stimuli += 1

@@ -32,24 +32,38 @@ class LoopTurn:
     awaits `give_way`: every other ready callback runs before it goes on. A stream that
     arrives faster than it is handled never yields by itself (reading an already
     buffered frame completes without suspending), hence the turn is checked between
-    frames too (`read_loop`), not only within one batch."""
+    frames too (`read_loop`), not only within one batch. A turn starts with the first
+    check after the loop has run anything else (a callback scheduled when the turn
+    starts tells), so a request that arrives at an idle scheduler never yields."""
 
-    __slots__ = ("end", "seconds", "yields")
+    __slots__ = ("_turned", "end", "seconds", "yields")
 
     def __init__(self, seconds: float = TURN_SECONDS) -> None:
         self.seconds = seconds
-        self.end = time.monotonic() + seconds
+        self.end = 0.0
         self.yields = 0
+        self._turned = True  # the loop has run other callbacks since the turn began
 
     def over(self) -> bool:
-        """Whether the current turn has run out."""
+        """Whether the current turn has run out (a new one starts if the loop turned)."""
+        if self._turned:
+            self._begin()
+            return False
         return time.monotonic() > self.end
 
     async def give_way(self) -> None:
         """Let every other ready callback run, then start a new turn."""
         self.yields += 1
         await asyncio.sleep(0)
+        self._begin()
+
+    def _begin(self) -> None:
+        self._turned = False
         self.end = time.monotonic() + self.seconds
+        asyncio.get_running_loop().call_soon(self._mark_turned)
+
+    def _mark_turned(self) -> None:
+        self._turned = True
 
 
 #: The scheduler process's turns (one event loop).

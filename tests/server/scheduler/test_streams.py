@@ -12,7 +12,7 @@ import time
 import pytest
 
 from distributed_server.comm import CommClosedError
-from distributed_server.scheduler.streams import LOOP_TURN, LoopTurn, read_loop
+from distributed_server.scheduler.streams import LoopTurn, read_loop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +46,6 @@ def test_a_backlog_of_frames_gives_way_between_frames():
             events.append("other")
 
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(other_peer()))
-        LOOP_TURN.end = time.monotonic() + LOOP_TURN.seconds  # a fresh turn
         await read_loop(BufferedComm(200), "flood", handle)
 
     asyncio.run(main())
@@ -83,3 +82,17 @@ def test_a_turn_runs_out_and_a_new_one_starts_after_giving_way():
 
     asyncio.run(main())
     assert turn.yields == 1
+
+
+def test_after_the_loop_idled_a_new_turn_starts_without_giving_way():
+    """A request that reaches an idle scheduler is answered without an extra loop
+    iteration: the turn began when the loop last turned, not at the last give_way."""
+    turn = LoopTurn(seconds=0.005)
+
+    async def main():
+        assert not turn.over()
+        await asyncio.sleep(0.02)  # the loop idles, well past the turn's end
+        assert not turn.over()
+
+    asyncio.run(main())
+    assert turn.yields == 0
