@@ -452,7 +452,7 @@ class Scheduler:
         """What the core left to forget (a released graph of a million tasks), a slice
         a stimulus, with a turn for every other peer in between."""
         try:
-            while self.state.forget_backlog:
+            while self.state.forget_backlog and not self._closed.is_set():
                 await LOOP_TURN.give_way()
                 self.stimulus("scheduler", "forget", self.state.forget_more)
         finally:
