@@ -134,6 +134,9 @@ _RUN_STUCK_PICKS = 4
 _DEPENDENTS_TUPLE_MAX = 8  # a task's dependents: a tuple up to this many, then a set
 _INT64_MIN = -2 ** 63
 _INT64_MAX = 2 ** 63 - 1
+#: adaptive_target wants enough workers to keep their results under this share of their
+#: memory limit (the rest is for the tasks running and for spilling's margin)
+_ADAPT_MEMORY_FRACTION = 0.6
 _MAX_NBYTES = 2 ** 62  # the largest result size a report may claim
 _MAX_DURATION = 1e7  # seconds; a longer (or negative) reported run time counts as unknown
 _EXACT_FLOAT_INT = 2 ** 53  # ints a report's start / stop may be (exact as floats)
@@ -281,6 +284,8 @@ class WorkerState:
     # run: see SchedulerState._pop_queued); they stay queued until it has room
     queue_run: Optional[list]
     queue_picks: cython.Py_ssize_t  # SchedulerState.queue_picks when it last took one
+    memory_limit: cython.Py_ssize_t  # bytes its process may use, as it registered; 0: none
+    idle_since: cython.double  # the clock when it last had no task to run
 
     if not cython.compiled:
         __slots__ = tuple(__annotations__)
@@ -303,6 +308,8 @@ class WorkerState:
         self.acquiring = None
         self.queue_run = None
         self.queue_picks = 0
+        self.memory_limit = 0
+        self.idle_since = 0.0
 
     def __repr__(self):
         return (f"<WorkerState {self.address!r} processing={len(self.processing)} "
@@ -842,6 +849,7 @@ class SchedulerState:
     _durations: dict  # name -> (duration_average, n_durations) of a dropped prefix; bounded
     _tasks_peak: cython.Py_ssize_t  # most tasks held since the tables were last rebuilt
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
+    _idle_since: cython.double  # the clock when the last task to run left; -1: work now
     forget_slice: cython.Py_ssize_t  # most tasks one stimulus forgets; 0: no limit
     _forget_budget: cython.Py_ssize_t  # forgets this stimulus may still do; -1: no limit
     _forget_later: dict  # TaskState -> None: to forget, left for forget_more
@@ -904,6 +912,7 @@ class SchedulerState:
         self.allowed_failures = allowed_failures
         self.default_duration = default_duration
         self.clock = clock if clock is not None else _zero_clock
+        self._idle_since = self.clock()
         self._log_entries = []
         self._log_capacity = transition_log_length
         self._log_next = 0
@@ -984,11 +993,14 @@ class SchedulerState:
             del self.clients[client]
         return self._end()
 
-    def add_worker(self, address, nthreads, stimulus_id, name=None, resources=None) -> tuple:
+    def add_worker(self, address, nthreads, stimulus_id, name=None, resources=None,
+                   memory_limit=None) -> tuple:
         """A worker joined: give it queued and previously unrunnable tasks.
 
         ``nthreads`` is an int from 1 to 2**31-1, ``name`` a str, an int or None (then
-        the address), ``resources`` a dict of names to non-negative finite quantities."""
+        the address), ``resources`` a dict of names to non-negative finite quantities,
+        ``memory_limit`` the bytes its process may use (an int >= 0 or None: none; read
+        by `adaptive_target`)."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(address, "worker address")
         if address in self.workers:
@@ -1001,12 +1013,18 @@ class SchedulerState:
             raise InvalidStimulus(f"worker {bounded_repr(address)}: name must be a str or "
                                   f"an int of 64 bits, not {bounded_repr(name)}")
         resources = _check_resources(resources, f"worker {bounded_repr(address)}")
+        if memory_limit is not None and (type(memory_limit) is not int
+                                         or not 0 <= memory_limit <= _INT64_MAX):
+            raise InvalidStimulus(f"worker {bounded_repr(address)}: memory_limit must be an "
+                                  f"int >= 0 or None, not {bounded_repr(memory_limit)}")
         self._begin(stimulus_id)
         departed: WorkerState = self.departing.get(address)
         if departed is not None:  # back at the same address: the old one's results go now
             self._let_go_of_results(departed, None)
         ws = WorkerState(address, nthreads, name, resources)
         ws.slots = self._slots_for(nthreads)
+        ws.memory_limit = memory_limit or 0
+        ws.idle_since = self._now
         self.workers[address] = ws
         self.idle[address] = ws
         self.total_nthreads += nthreads
@@ -1741,6 +1759,108 @@ class SchedulerState:
         if n is not None:
             running = running[:n]
         return [entry[2] for entry in running], []
+
+    # ------------------------------------------------------------------ adaptive scaling
+    #
+    # How many workers the work wants, and which to let go: read from the counters (per
+    # prefix and per worker), never by a walk over the tasks, so each costs
+    # O(prefixes + workers) however many tasks there are. Cluster managers (adapt, the
+    # Kubernetes operator) ask; the server carries the answer out by retirement.
+
+    def adaptive_target(self, target_duration=5.0) -> int:
+        """The number of workers the work wants now.
+
+        CPU: the estimated seconds of the tasks queued, unrunnable and processing (each
+        priced at its prefix's learned average, ``default_duration`` while unknown),
+        spread over workers of the running workers' threads (1 without workers) so
+        that they finish within ``target_duration`` seconds, and no more workers than
+        those tasks could keep busy. Memory: enough workers to keep the results held
+        under 60% of their average ``memory_limit`` (when the workers have limits). At
+        least 1 while any task waits to run. Shrinking never counts out a worker that
+        is running tasks: the answer is at least the number of busy running workers."""
+        if type(target_duration) not in (int, float) or not 0 < target_duration < math.inf:
+            raise ValueError(f"target_duration must be a positive number of seconds, not "
+                             f"{bounded_repr(target_duration)}")
+        prefix: TaskPrefix
+        ws: WorkerState
+        work: cython.double = 0.0
+        runnable: cython.Py_ssize_t = 0
+        n: cython.Py_ssize_t
+        for prefix in self._active_prefixes.values():
+            n = (prefix.counts[_S_QUEUED] + prefix.counts[_S_NO_WORKER]
+                 + prefix.counts[_S_PROCESSING])
+            if n:
+                runnable += n
+                work += n * (prefix.duration_average if prefix.duration_average >= 0
+                             else self.default_duration)
+        running: cython.Py_ssize_t = 0
+        busy: cython.Py_ssize_t = 0
+        threads: cython.Py_ssize_t = 0
+        limited: cython.Py_ssize_t = 0
+        limits: cython.double = 0.0
+        held: cython.double = 0.0
+        for ws in self.workers.values():
+            if ws.status != WORKER_RUNNING:
+                continue
+            running += 1
+            threads += ws.nthreads
+            if ws.processing:
+                busy += 1
+            if ws.memory_limit > 0:
+                limited += 1
+                limits += ws.memory_limit
+                held += ws.nbytes
+        per_worker: cython.double = threads / running if running else 1.0
+        cpu: cython.Py_ssize_t = 0
+        if runnable:
+            cpu = min(math.ceil(work / target_duration / per_worker),
+                      math.ceil(runnable / per_worker))
+        memory: cython.Py_ssize_t = 0
+        if limited and held > 0:
+            memory = math.ceil(held / (_ADAPT_MEMORY_FRACTION * limits / limited))
+        pending: cython.Py_ssize_t = (self._state_counts[_S_WAITING] + runnable)
+        target: cython.Py_ssize_t = max(cpu, memory, 1 if pending else 0)
+        if target < running:
+            target = max(target, busy)
+        return target
+
+    def workers_to_close(self, n) -> list:
+        """The addresses of the ``n`` running workers (an int >= 0) that are best let go:
+        those running no task first, holding the fewest bytes, then idle the longest;
+        then busy ones, holding the fewest bytes, then with the least work assigned.
+        Fewer if fewer are running."""
+        if type(n) is not int or n < 0:
+            raise ValueError(f"n must be an int >= 0, not {bounded_repr(n)}")
+        ws: WorkerState
+        idle = []
+        busy = []
+        for ws in self.workers.values():
+            if ws.status != WORKER_RUNNING:
+                continue
+            if ws.processing:
+                busy.append((ws.nbytes, ws.occupancy, ws.address))
+            else:
+                idle.append((ws.nbytes, ws.idle_since, ws.address))
+        idle.sort()
+        out = [entry[2] for entry in idle[:n]]
+        if len(out) < n:
+            busy.sort()
+            out.extend(entry[2] for entry in busy[:n - len(out)])
+        return out
+
+    def check_idle(self):
+        """The clock's time since when no task has been waiting, queued, unrunnable or
+        processing (None while some is): a cluster idle that long may be shut down."""
+        if self._has_work():
+            return None
+        # a stimulus that raised (a bug, logged) may have skipped _end's update
+        return self._idle_since if self._idle_since >= 0 else self._now
+
+    @cython.cfunc
+    def _has_work(self) -> cython.bint:
+        """Some task is waiting, queued, unrunnable or processing."""
+        return (self._state_counts[_S_WAITING] + self._state_counts[_S_QUEUED]
+                + self._state_counts[_S_NO_WORKER] + self._state_counts[_S_PROCESSING]) > 0
 
     def copy_recipients(self, workers=None, exclude=(), paused=()) -> list:
         """The addresses of the workers that may take copies: running ones, neither in
@@ -2534,6 +2654,10 @@ class SchedulerState:
     @cython.cfunc
     def _end(self) -> tuple:
         self._engine()
+        if self._has_work():
+            self._idle_since = -1.0
+        elif self._idle_since < 0:
+            self._idle_since = self._now
         if self._tasks_peak >= _SHRINK_MIN \
                 and len(self.tasks) * _SHRINK_FACTOR < self._tasks_peak:
             self._shrink_tables()
@@ -3370,7 +3494,11 @@ class SchedulerState:
             ws.slots -= 1
             if not ws.long_running:
                 ws.long_running = None
-        ws.occupancy = ws.occupancy - ts.estimate if ws.processing else 0.0
+        if ws.processing:
+            ws.occupancy -= ts.estimate
+        else:
+            ws.occupancy = 0.0
+            ws.idle_since = self._now
         ts.processing_on = None
         ts.estimate = 0.0
         if self._steals:  # a steal asked of ws is void: ws no longer runs ts

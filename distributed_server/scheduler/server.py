@@ -59,6 +59,8 @@ from ..diagnostics.loop_lag import LoopLagMonitor
 from ..diagnostics.task_stream import TaskStream
 from ..security import Security, check_listen_security
 from ..versions import essential, mismatches, versions
+from .adaptive import OPS as ADAPTIVE_OPS
+from .adaptive import AdaptiveRequests
 from .client_keys import FIRE_AND_FORGET, ClientKeyRequests
 from .client_keys import OPS as CLIENT_KEY_OPS
 from .coordination import COORDINATION_CLIENT, CoordinationLimits
@@ -234,6 +236,9 @@ class Scheduler:
         self._register(COORDINATION_OPS, self.coordination_service.handle)
         self._register(REPLICA_OPS, self._move_replicas)
         self._register(HISTORY_OPS, self.history.handle)
+        #: adaptive_target, workers_to_close, check_idle, retirement by count (adaptive.py)
+        self.adaptive = AdaptiveRequests(self)
+        self._register(ADAPTIVE_OPS, self.adaptive.handle)
 
     def _register(self, ops, handler) -> None:
         """Route the client messages ``ops`` to ``handler(client_id, msg)`` (a service's;
@@ -340,7 +345,8 @@ class Scheduler:
             require(address not in self.worker_comms,
                     f"a worker at {address} is already registered")
             messages = self.state.add_worker(address, nthreads, self.sid("add-worker"),
-                                             name=name, resources=resources)
+                                             name=name, resources=resources,
+                                             memory_limit=process["memory_limit"])
             self.n_stimuli += 1
         except (MessageError, InvalidStimulus) as exc:
             logger.warning("refusing worker from %s: %s", comm.peer_address, exc)
