@@ -47,3 +47,15 @@ def wait_for_event(name):
     from distributed_server import Event
 
     Event(name).wait()
+
+
+def sleep_and_record(i, delay, record_dir):
+    """adaptive_burst.py: sleep ``delay`` seconds, leave a file per run (so that runs
+    can be counted) and return ``i``."""
+    import os
+    import time
+
+    time.sleep(delay)
+    with open(os.path.join(record_dir, f"{i}-{os.getpid()}-{time.monotonic_ns()}"), "w"):
+        pass
+    return i

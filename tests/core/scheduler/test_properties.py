@@ -394,6 +394,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.lost = {(key, address) for key, address in self.lost
                      if address in self.state.departing}
 
+    @invariant()
+    def adaptive_answers_follow_the_work(self):
+        """adaptive_target never counts out a busy worker and wants a worker while any
+        task waits; workers_to_close names running workers, idle ones first; check_idle
+        says None exactly while some task is left to run."""
+        if self.sim is None:
+            return
+        state = self.state
+        running = [ws for ws in state.workers.values() if ws.status == "running"]
+        busy = {ws.address for ws in running if ws.processing}
+        counts = state.task_counts()
+        to_run = sum(counts[s] for s in ("waiting", "queued", "no-worker", "processing"))
+        target = state.adaptive_target(5.0)
+        if target < len(running):
+            assert target >= len(busy), (target, busy)
+        if to_run:
+            assert target >= 1
+            assert state.check_idle() is None
+        else:
+            assert state.check_idle() is not None
+        closing = state.workers_to_close(len(running))
+        assert sorted(closing) == sorted(ws.address for ws in running)
+        n_idle = len(running) - len(busy)
+        assert not busy & set(closing[:n_idle]), closing
+
     # -- the end -------------------------------------------------------------------------------
 
     def teardown(self):
