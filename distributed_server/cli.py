@@ -1,8 +1,8 @@
 """The ``dcore`` command: run a scheduler, a worker, or the demo; print the version.
 
     dcore scheduler [--host HOST] [--port PORT] [--dashboard-address :8787 | --no-dashboard]
-                    [credentials]
-    dcore worker tcp://SCHEDULER:PORT [--nthreads N] [--name NAME] [--resources GPU=1,MEM=4e9]
+                    [--open-cluster-api] [credentials]
+    dcore worker [tcp://SCHEDULER:PORT] [--nthreads N] [--name NAME] [--resources GPU=1,MEM=4e9]
                  [--nworkers N] [--memory-limit 4GiB|0.5|auto|0] [--no-nanny] [credentials]
                  [--memory-{target,spill,pause}-fraction F] [--local-directory DIR]
                  [--dashboard-address :0 | --no-dashboard]
@@ -15,6 +15,13 @@
 Credentials: --token-file FILE (or DCORE_TOKEN / DCORE_TOKEN_FILE in the environment),
 --tls-ca-file, --tls-cert, --tls-key (or DCORE_TLS_CA_FILE / _CERT / _KEY). A scheduler
 or worker with none of them listens only on loopback unless given --insecure.
+
+`dcore worker` given neither an address nor --scheduler-file reads the scheduler's
+address from DASK_SCHEDULER_ADDRESS, and its name (without --name) from DASK_WORKER_NAME:
+the variables the dask-kubernetes operator gives worker pods. `dcore scheduler
+--open-cluster-api` serves the routes that operator calls (/api/v1/adaptive_target,
+retire_workers, get_workers, check_idle) without credentials, since it sends none: only
+behind a network policy (docs/deploy/README.md).
 
 `dcore worker` runs its workers under a nanny (`distributed_server.deploy.nanny`): one process
 that starts ``--nworkers`` worker processes (``dcore worker ... --no-nanny``, credentials
@@ -69,6 +76,9 @@ def main(argv: list | None = None) -> int:
                 _resolve_worker_addresses(args)
             args.security = _security_from(args)
             check_listen_security(args.host, args.security, args.insecure, args.command)
+            if args.command == "scheduler" and args.open_cluster_api and args.no_dashboard:
+                raise ValueError("--open-cluster-api opens routes of the dashboard's HTTP "
+                                 "server: drop --no-dashboard")
             if not args.no_dashboard:
                 dashboard_host, _ = parse_http_address(args.dashboard_address, args.host)
                 check_listen_security(dashboard_host, args.security, args.insecure,
@@ -155,11 +165,18 @@ def _parser() -> argparse.ArgumentParser:
                                 "busy port gives way to a free one)")
     scheduler.add_argument("--no-dashboard", action="store_true",
                            help="serve no HTTP endpoints")
+    scheduler.add_argument("--open-cluster-api", action="store_true",
+                           help="serve the routes the dask-kubernetes operator scales the "
+                                "cluster with (/api/v1/adaptive_target, retire_workers, "
+                                "get_workers, check_idle) without credentials, as the "
+                                "operator sends none: only where a network policy lets "
+                                "nothing but the operator reach the dashboard's port")
     _add_security_flags(scheduler)
 
     worker = commands.add_parser("worker", help="run a worker")
     worker.add_argument("address", nargs="?", default=None,
-                        help="the scheduler, e.g. tcp://10.0.0.5:8786 (or --scheduler-file)")
+                        help="the scheduler, e.g. tcp://10.0.0.5:8786 (or --scheduler-file; "
+                             "default: $DASK_SCHEDULER_ADDRESS)")
     worker.add_argument("--scheduler-file", default=None,
                         help="read the scheduler's address from this file (waits for it "
                              "up to --death-timeout)")
@@ -181,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a module or .py file to import at start; its "
                              "dcore_setup(worker) runs once the worker is registered")
     worker.add_argument("--nthreads", type=int, default=1)
-    worker.add_argument("--name", default=None)
+    worker.add_argument("--name", default=None,
+                        help="the worker's name (default: $DASK_WORKER_NAME, else none)")
     worker.add_argument("--resources", default="", type=_resources,
                         help="abstract resources, e.g. GPU=1,MEM=4e9")
     worker.add_argument("--host", default=None,
@@ -420,7 +438,8 @@ async def _run_scheduler(args) -> int:
                           security=args.security, insecure=args.insecure,
                           client_idle_timeout=args.client_idle_timeout,
                           dashboard_address=None if args.no_dashboard
-                          else args.dashboard_address)
+                          else args.dashboard_address,
+                          open_cluster_api=args.open_cluster_api)
     preloads = args.preloads
     await scheduler.start()
     _tune_gc_for_a_server()
@@ -444,13 +463,28 @@ async def _run_scheduler(args) -> int:
     return 0
 
 
+#: Where the dask-kubernetes operator puts a worker pod's scheduler address and its name.
+SCHEDULER_ADDRESS_ENV = "DASK_SCHEDULER_ADDRESS"
+WORKER_NAME_ENV = "DASK_WORKER_NAME"
+
+
 def _resolve_worker_addresses(args) -> None:
-    """The scheduler's address (given, or from --scheduler-file) and where to listen
-    (--listen-address, else --host/--port, else the interface that reaches the
+    """The scheduler's address (given, or from --scheduler-file, or from
+    DASK_SCHEDULER_ADDRESS), the worker's name (--name, else DASK_WORKER_NAME) and where
+    to listen (--listen-address, else --host/--port, else the interface that reaches the
     scheduler). ValueError or TimeoutError with a one-line reason."""
+    if args.name is None:
+        args.name = os.environ.get(WORKER_NAME_ENV, "").strip() or None
+    if args.address is None and args.scheduler_file is None:
+        args.address = os.environ.get(SCHEDULER_ADDRESS_ENV, "").strip() or None
+        if args.address is None:
+            raise ValueError(f"give the scheduler's address or --scheduler-file (or set "
+                             f"{SCHEDULER_ADDRESS_ENV})")
+        try:
+            parse_address(args.address)
+        except ValueError as exc:
+            raise ValueError(f"{SCHEDULER_ADDRESS_ENV}: {exc}") from None
     if args.address is None:
-        if args.scheduler_file is None:
-            raise ValueError("give the scheduler's address or --scheduler-file")
         args.address = read_scheduler_file(args.scheduler_file,
                                            timeout=args.death_timeout or 60.0)
     if args.listen_address is not None:

@@ -177,3 +177,21 @@ def test_server_uses_only_the_core_package_root(path):
     assert not violations, (
         "distributed_server may use only distributed_core's public names "
         "(`from distributed_core import X`), not its internals:\n" + "\n".join(violations))
+
+
+def test_every_public_name_of_the_shell_resolves_and_a_server_process_skips_the_client():
+    """``distributed_server`` exports its names on first use (PEP 562): each name in
+    ``__all__`` resolves to the object of its module, and importing the package and the
+    worker's modules, as a worker process does, imports nothing of the client."""
+    import distributed_server
+
+    for name in distributed_server.__all__:
+        assert getattr(distributed_server, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        distributed_server.nothing  # noqa: B018
+    code = ("import sys, distributed_server.cli, distributed_server.deploy.nanny, "
+            "distributed_server.worker.server; "
+            "print(sorted(m for m in sys.modules if m.startswith('distributed_server.client')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

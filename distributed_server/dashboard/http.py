@@ -3,10 +3,12 @@
 `HttpServer` binds ``host:port`` (port 0: any free port; a busy port: a free one, with
 a warning), serves HTTPS with the cluster's certificate under TLS, refuses to listen
 beyond loopback without credentials (unless ``insecure``), and runs every request
-through `HttpAuth` (`BaseHandler.prepare`). Only GET and HEAD exist; an unknown path is a
-404, a missing or wrong credential a 403, a bad parameter a 400: plain-text answers
-that say why, never a traceback. Requests are small and short: headers are capped at
-16 KiB, bodies at 0, idle connections close after 60 s.
+through `HttpAuth` (`BaseHandler.prepare`). Reads are GET and HEAD; the one route that
+changes the cluster (the scheduler's ``POST /api/v1/retire_workers``, cluster_api.py) is
+a POST, and needs the cluster's own credential. An unknown path is a 404, a missing or
+wrong credential a 403, a bad parameter a 400: plain-text answers that say why, never a
+traceback. Requests are small and short: headers are capped at 16 KiB, bodies at 0
+(the POST route raises its own limit), idle connections close after 60 s.
 
 Successful requests are not logged (a page polls every second); refusals are logged a
 few times per 10 s at most; a handler that raises is logged at ERROR (that is a bug).
@@ -63,9 +65,14 @@ def parse_http_address(address, default_host: str) -> tuple[str, int]:
 class BaseHandler(RequestHandler):
     """A handler whose requests must pass `HttpAuth`; answers errors in plain text.
 
-    Subclasses set ``open_to_all = True`` to skip the check (``/health``)."""
+    Subclasses set ``open_to_all = True`` to skip the check (``/health``),
+    ``cluster_api = True`` for a route of the cluster API (open to all when the server
+    was started with ``open_cluster_api``), ``changes_cluster = True`` for a route that
+    changes the cluster (it needs the cluster's own credential, not the dashboard's)."""
 
     open_to_all = False
+    cluster_api = False
+    changes_cluster = False
 
     def prepare(self) -> None:
         """Admit the request, or answer 403; a valid ``?token=`` sets the cookie."""
@@ -76,12 +83,14 @@ class BaseHandler(RequestHandler):
         auth: HttpAuth = self.settings["auth"]
         query_token = self.get_query_argument("token", None)
         cookie = self.get_cookie(auth.cookie_name)
-        problem = auth.problem(self.request, query_token, cookie)
+        problem = auth.problem(self.request, query_token, cookie,
+                               cluster_api=self.cluster_api, changes=self.changes_cluster)
         if problem is not None:
             _refusal_log("HTTP %s %s from %s refused: %s", self.request.method,
                          self.request.path[:100], self.request.remote_ip, problem)
             raise HTTPError(403, reason="Forbidden", log_message=problem)
-        if query_token is not None:
+        # (a route open to all must not turn any ?token= into a valid cookie)
+        if query_token is not None and (auth.open or auth.valid(query_token)):
             self.set_cookie(auth.cookie_name, auth.cookie_value, path="/",
                             expires_days=COOKIE_DAYS, httponly=True, samesite="Strict",
                             secure=self.request.protocol == "https")
@@ -109,7 +118,7 @@ class BaseHandler(RequestHandler):
             super().log_exception(typ, value, tb)
 
     def data_received(self, chunk: bytes) -> None:  # pragma: no cover - bodies are refused
-        """Bodies are not accepted (max_body_size is 0)."""
+        """Bodies are not accepted (max_body_size is 0), but where a route says so."""
 
 
 class NotFoundHandler(BaseHandler):
@@ -149,11 +158,14 @@ class HttpServer:
 
     ``await start()`` binds and serves; ``url`` tells where (``https`` under TLS);
     ``await stop()`` closes the listener and every open connection.
+    ``open_cluster_api`` admits the routes of the cluster API without credentials
+    (`HttpAuth`).
     """
 
     def __init__(self, routes: list, security: Security, host: str, port: int, *,
                  insecure: bool = False, role: str = "dashboard",
-                 fallback: bool = True, settings: dict | None = None) -> None:
+                 fallback: bool = True, settings: dict | None = None,
+                 open_cluster_api: bool = False) -> None:
         check_listen_security(host, security, insecure, f"{role} HTTP server")
         self.security = security
         self.host = host
@@ -162,6 +174,7 @@ class HttpServer:
         self.fallback = fallback
         self.routes = [(r"/health", HealthHandler), *routes]
         self.settings = dict(settings or {})  # for the handlers (self.settings[...])
+        self.open_cluster_api = open_cluster_api
         self.started = 0.0
         self._server: HTTPServer | None = None
 
@@ -189,7 +202,8 @@ class HttpServer:
             logger.warning("%s: port %d is in use (another cluster?); serving HTTP on port "
                            "%d instead", self.role, self.port, sockets[0].getsockname()[1])
         self.port = sockets[0].getsockname()[1]
-        auth = HttpAuth(self.security, self.host, self.port)
+        auth = HttpAuth(self.security, self.host, self.port,
+                        open_cluster_api=self.open_cluster_api)
         app = Application(self.routes, **self.settings, auth=auth, default_handler_class=NotFoundHandler,
                           log_function=_log_request, compress_response=False,
                           xsrf_cookies=False, serve_traceback=False)

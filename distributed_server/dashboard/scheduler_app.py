@@ -8,13 +8,17 @@
     /api/v1/task-stream    task outcomes after a sequence number: ?after=N&limit=M
     /metrics               Prometheus text format (prometheus.SchedulerCollector)
     /health                "ok" (open to all)
+    /api/v1/adaptive_target, /api/v1/get_workers, /api/v1/check_idle,
+    /api/v1/retire_workers the cluster API, which cluster managers (the dask-kubernetes
+                           operator) scale the cluster with (cluster_api.py)
 
 Every read is O(prefixes + workers) with the core's counters, plus O(entries returned)
-for the task stream; nothing here changes the scheduler.
+for the task stream; only ``POST /api/v1/retire_workers`` changes the scheduler.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -22,11 +26,14 @@ from tornado.web import HTTPError
 
 from distributed_core import bounded_repr, key_prefix
 
+from .cluster_api import CLUSTER_API_ROUTES
 from .figures import SchedulerFigures
 from .http import BaseHandler, HttpServer
 from .prometheus import CONTENT_TYPE_LATEST, Exposition, SchedulerCollector, registry_for
 
 __all__ = ["start_scheduler_http", "STATIC_FILES"]
+
+logger = logging.getLogger("distributed_server.dashboard")
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 #: The files the page needs, each with its content type: nothing else is served.
@@ -137,12 +144,16 @@ class RootHandler(BaseHandler):
 
 
 async def start_scheduler_http(scheduler, host: str, port: int, *,
-                               insecure: bool = False, fallback: bool = True) -> HttpServer:
-    """Start the scheduler's HTTP server on ``host:port``; returns it, started."""
+                               insecure: bool = False, fallback: bool = True,
+                               open_cluster_api: bool = False) -> HttpServer:
+    """Start the scheduler's HTTP server on ``host:port``; returns it, started.
+
+    ``open_cluster_api`` serves the cluster API's routes (cluster_api.py) without
+    credentials, for the dask-kubernetes operator (logged at WARNING)."""
     figures = SchedulerFigures(scheduler)
     settings = {"figures": figures, "task_stream": scheduler.task_stream,
                 "exposition": Exposition(registry_for(SchedulerCollector(figures))),
-                "static_cache": {}}
+                "static_cache": {}, "adaptive": scheduler.adaptive}
     routes = [
         (r"/", RootHandler, None),
         (r"/status/?", StaticHandler, None),
@@ -150,11 +161,19 @@ async def start_scheduler_http(scheduler, host: str, port: int, *,
         (r"/api/v1/status", StatusJSONHandler, None),
         (r"/api/v1/task-stream", TaskStreamHandler, None),
         (r"/metrics", MetricsHandler, None),
+        *((pattern, handler, None) for pattern, handler in CLUSTER_API_ROUTES),
     ]
     server = HttpServer([(pattern, handler) for pattern, handler, _ in routes],
                         scheduler.security, host, port, insecure=insecure,
-                        role="scheduler", fallback=fallback, settings=settings)
-    return await server.start()
+                        role="scheduler", fallback=fallback, settings=settings,
+                        open_cluster_api=open_cluster_api)
+    await server.start()
+    if open_cluster_api:
+        logger.warning("the cluster API (%s/api/v1/adaptive_target, get_workers, check_idle, "
+                       "retire_workers) is open without credentials (--open-cluster-api): "
+                       "anyone who reaches this port can retire workers; keep it behind a "
+                       "network policy", server.url)
+    return server
 
 
 def _prefix_namer():

@@ -120,7 +120,8 @@ class Scheduler:
     host defaults to ``host``) starts the HTTP server of the status page, the JSON API and
     ``/metrics`` (`distributed_server.dashboard`); None (the default here; ``dcore
     scheduler`` serves on 8787) starts none. A busy port gives way to a free one, with a
-    warning; ``dashboard_url`` tells where it is.
+    warning; ``dashboard_url`` tells where it is. ``open_cluster_api`` serves its cluster
+    API (the routes the dask-kubernetes operator calls) without credentials.
     ``coordination_limits`` bounds what the coordination primitives may hold
     (`CoordinationLimits`). ``work_stealing`` (None: configuration
     ``scheduler.work-stealing``, default True) moves tasks waiting on busy workers to
@@ -141,7 +142,7 @@ class Scheduler:
                  client_idle_timeout: float | None = None,
                  max_connections: int | None = None, dashboard_address=None,
                  coordination_limits: CoordinationLimits | None = None,
-                 work_stealing: bool | None = None):
+                 work_stealing: bool | None = None, open_cluster_api: bool = False):
         worker_ttl = config.get("scheduler.worker-ttl", worker_ttl)
         #: Work stealing on (the core's ``balance``, every ``stealing_interval`` seconds
         #: while there are two workers or more, and when a worker joins).
@@ -155,6 +156,7 @@ class Scheduler:
         check_listen_security(host, self.security, insecure, "scheduler")
         self.insecure = insecure
         self.dashboard_address = dashboard_address
+        self.open_cluster_api = open_cluster_api  # the dashboard's cluster API needs no credentials
         if dashboard_address is not None:
             from ..dashboard.http import parse_http_address
 
@@ -275,7 +277,8 @@ class Scheduler:
 
         host, port = parse_http_address(self.dashboard_address, self.host)
         try:
-            self.http = await start_scheduler_http(self, host, port, insecure=self.insecure)
+            self.http = await start_scheduler_http(self, host, port, insecure=self.insecure,
+                                                   open_cluster_api=self.open_cluster_api)
         except BaseException:
             await self.close()
             raise
