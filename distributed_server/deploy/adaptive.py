@@ -116,6 +116,7 @@ class Adaptive:
     def step(self) -> int:
         """One decision: ask, bound, scale. Returns the workers planned after it."""
         cluster = self.cluster
+        cluster.check_workers()
         target = cluster.request({"op": "adaptive-target",
                                   "target_duration": self.target_duration})
         planned = len(cluster.worker_names)

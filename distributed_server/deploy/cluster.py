@@ -98,6 +98,13 @@ class Cluster:
         """Called before each scaling decision: a manager replaces workers the engine
         lost while they were still wanted. Nothing by default."""
 
+    def check_workers(self) -> None:
+        """Let the manager notice workers its engine lost (a killed nanny, a batch job
+        that ended): those still wanted are started again at the next scaling; `adapt`
+        calls it at every step."""
+        with self._scale_lock:
+            self._check_workers()
+
     # ------------------------------------------------------------------ the scheduler
 
     def _start_scheduler(self, host: str, port: int, timeout: float, log_level: str,
@@ -255,7 +262,8 @@ class Cluster:
         """Retire the named workers (their results move to the others first), then stop
         them through the engine."""
         with self._scale_lock:
-            names = [name for name in names if name in set(self.worker_names)]
+            ours = set(self.worker_names)
+            names = [name for name in names if name in ours]
             if not names:
                 return
             if len(names) < len(self.worker_names):

@@ -141,6 +141,20 @@ class LocalCluster(Cluster):
             for worker in leaving:
                 self._loop_thread.run(worker.close(), timeout=timeout)
 
+    def _check_workers(self) -> None:
+        """A nanny that exited (killed: a nanny that lost its worker starts it again) is
+        dropped from the plan, so that scaling starts a new one if still wanted."""
+        if not self.processes:
+            return
+        for name, proc in list(zip(self._worker_names, self._workers)):
+            if proc.poll() is not None:
+                logger.warning("the nanny of %s exited (code %s); a new worker replaces it "
+                               "if the cluster still wants one", name, proc.returncode)
+                i = self._workers.index(proc)
+                del self._workers[i], self._worker_names[i]
+                self._procs.remove(proc)
+        self.n_workers = len(self._workers)
+
     def worker_processes(self) -> list:
         """The worker processes running now (psutil.Process), without their nanny; empty
         with ``processes=False``. A worker the nanny restarted is a new process."""

@@ -7,10 +7,12 @@ real server on loopback in a thread); the tasks are real; the clock is the machi
 """
 import math
 import os
+import signal
 import sys
 import time
 
 import cloudpickle
+import psutil
 import pytest
 from server_helpers import wait_for
 
@@ -138,3 +140,21 @@ def test_adapt_refuses_bad_bounds(kwargs, match):
 
 def test_maximum_may_be_infinite():
     assert Adaptive(PlannedCluster(), maximum=math.inf).recommendation(50, 0) == 50
+
+
+def test_adapt_replaces_a_worker_whose_nanny_was_killed(tmp_path):
+    with LocalCluster(n_workers=0, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        cluster.adapt(minimum=2, maximum=2, interval="200ms")
+        wait_for(lambda: n_workers(cluster) == 2, timeout=30)
+        victim = cluster.worker_names[0]
+        nanny = cluster._workers[0]
+        worker_pids = [p.pid for p in psutil.Process(nanny.pid).children()]
+        nanny.send_signal(signal.SIGKILL)
+        for pid in worker_pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: victim not in cluster.worker_names and n_workers(cluster) == 2,
+                 timeout=30)
+        futures = client.map(sleepy, range(4), delay=0.1, record_dir=str(tmp_path),
+                             pure=False)
+        assert client.gather(futures) == list(range(4))
