@@ -14,13 +14,14 @@ and counts how many times each task ran (each run leaves a file). Printed per sy
   live somewhere) -- then the futures are released and the seconds to 0 are printed too;
 - tasks run more than once (the target is 0: a result moved is not recomputed).
 
-    python benchmarks/adaptive_burst.py            # 40 tasks, both systems
-    python benchmarks/adaptive_burst.py --tasks 80 --only dcore
+    python benchmarks/adaptive_burst.py            # 40 tasks, both systems, 3 runs each
+    python benchmarks/adaptive_burst.py --tasks 80 --repeat 1 --only dcore
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -88,24 +89,36 @@ def run(system: str, n_tasks: int, poll: float = 0.05) -> dict:
 
 
 def main(argv=None) -> None:
-    """Run the burst on each system and print the figures side by side."""
+    """Run the burst on each system, alternating, and print the medians side by side
+    (each run's figures too)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=40)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per system (alternating)")
     parser.add_argument("--only", choices=["dcore", "dask"])
     args = parser.parse_args(argv)
     systems = [args.only] if args.only else ["dcore", "dask"]
     import distributed_core
 
     print(f"burst of {args.tasks} tasks x 0.5 s; adapt(minimum=0, maximum=4), defaults; "
-          f"distributed-core compiled: {distributed_core.COMPILED}")
-    figures = {system: run(system, args.tasks) for system in systems}
+          f"distributed-core compiled: {distributed_core.COMPILED}; median of {args.repeat}")
+    runs: dict = {system: [] for system in systems}
+    for i in range(args.repeat):
+        for system in systems:
+            runs[system].append(run(system, args.tasks))
+            print(f"  run {i + 1} {system}: {runs[system][-1]}", flush=True)
+    # medians of the times and sizes; the worst run for the counts that should be 0
+    worst = {"recomputed", "missing"}
+    figures = {system: {field: (max if field in worst else statistics.median)(
+                            [r[field] for r in results])
+                        for field in results[0]}
+               for system, results in runs.items()}
     rows = [("seconds to the first worker", "first_worker_s", "{:.2f}"),
-            ("peak workers", "peak_workers", "{}"),
+            ("peak workers", "peak_workers", "{:g}"),
             ("seconds back to 1 worker once idle (results held)", "back_to_one_s",
              "{:.2f}"),
             ("seconds back to 0 once released", "back_to_zero_s", "{:.2f}"),
-            ("tasks run more than once", "recomputed", "{}"),
-            ("tasks never run", "missing", "{}")]
+            ("tasks run more than once (worst run)", "recomputed", "{:g}"),
+            ("tasks never run (worst run)", "missing", "{:g}")]
     print(f"{'':52s}" + "".join(f"{s:>14s}" for s in systems))
     for label, field, fmt in rows:
         print(f"{label:52s}" + "".join(f"{fmt.format(figures[s][field]):>14s}"
