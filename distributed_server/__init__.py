@@ -22,7 +22,7 @@ _EXPORTS = {
     "Sub": "client.primitives", "Variable": "client.primitives",
     "progress": "client.progress",
     "get_client": "client.worker_client", "worker_client": "client.worker_client",
-    "LocalCluster": "deploy.local_cluster",
+    "LocalCluster": "deploy.local_cluster", "SLURMCluster": "deploy.slurm",
     "SchedulerPlugin": "plugins", "WorkerPlugin": "plugins",
     "StoryEntry": "protocol.stories", "WorkerSilent": "protocol.stories",
     "Scheduler": "scheduler.server",
@@ -48,7 +48,7 @@ def __dir__() -> list:
 
 __all__ = [
     "ALL_COMPLETED", "COMPILED", "CancelledError", "Client", "Event", "FIRST_COMPLETED",
-    "FIRST_EXCEPTION", "Future", "LocalCluster", "Lock", "Pub", "Queue", "Scheduler",
+    "FIRST_EXCEPTION", "Future", "LocalCluster", "Lock", "Pub", "Queue", "SLURMCluster", "Scheduler",
     "SchedulerPlugin", "Security", "SecurityError", "Semaphore", "StoryEntry", "Sub",
     "Variable", "Worker", "WorkerPlugin", "WorkerSilent", "__version__", "as_completed",
     "fire_and_forget", "futures_of", "get_client", "get_worker", "performance_report", "progress", "rejoin", "secede", "wait",
