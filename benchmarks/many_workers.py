@@ -2,8 +2,8 @@
 
 A real ``dcore scheduler`` process (token handshake, its dashboard on) is joined by N
 lightweight worker endpoints: each is a real connection that registers as a worker does
-(the same handshake, versions and process facts), heartbeats every second as a worker
-does by default, and answers every ``compute-task`` at once with the ``task-finished``
+(the same handshake, versions and process facts), heartbeats as a worker does by default
+(every second, or slower when the scheduler of a big cluster asks), and answers every ``compute-task`` at once with the ``task-finished``
 report a worker sends for a no-op task (``None``, inline). Many endpoints share a process
 (a few processes in all), so a thousand fit on this machine; what the scheduler sees is
 what a thousand workers send it. Printed per N:
@@ -75,9 +75,11 @@ async def endpoint(scheduler: str, name: str, security, listener_host: str,
     joined.set_result(None)
     none = dumps_inline_result(None)
 
+    advised = [None]  # a big cluster's scheduler asks for slower beats, as of a worker
+
     async def heartbeat():
         while True:
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            await asyncio.sleep(max(HEARTBEAT_SECONDS, advised[0] or 0.0))
             comm.send({"op": "heartbeat", "memory": 50_000_000, "managed": None,
                        "spilled": 0, "spilled_count": 0, "paused": False, "cpu": 0.0})
 
@@ -90,6 +92,8 @@ async def endpoint(scheduler: str, name: str, security, listener_host: str,
                     comm.send({"op": "task-finished", "key": msg["key"], "nbytes": 16,
                                "type": "NoneType", "start": now, "stop": now,
                                "data": none})
+                elif msg.get("op") == "heartbeat":
+                    advised[0] = msg.get("interval")
                 elif msg.get("op") == "close":
                     return
     except Exception:  # noqa: BLE001 - the scheduler went away: the run is over

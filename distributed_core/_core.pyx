@@ -137,6 +137,8 @@ _INT64_MAX = 2 ** 63 - 1
 #: adaptive_target wants enough workers to keep their results under this share of their
 #: memory limit (the rest is for the tasks running and for spilling's margin)
 _ADAPT_MEMORY_FRACTION = 0.6
+_MIN_TARGET_DURATION = 0.001  # seconds: adaptive_target's bounds
+_MAX_TARGET_DURATION = 1e9
 _MAX_NBYTES = 2 ** 62  # the largest result size a report may claim
 _MAX_DURATION = 1e7  # seconds; a longer (or negative) reported run time counts as unknown
 _EXACT_FLOAT_INT = 2 ** 53  # ints a report's start / stop may be (exact as floats)
@@ -1775,11 +1777,14 @@ class SchedulerState:
         spread over workers of the running workers' threads (1 without workers) so
         that they finish within ``target_duration`` seconds, and no more workers than
         those tasks could keep busy. Memory: enough workers to keep the results held
-        under 60% of their average ``memory_limit`` (when the workers have limits). At
+        under 60% of their average ``memory_limit`` (when the workers have limits; at
+        most twice the workers running), and at least 1 while any result is held. At
         least 1 while any task waits to run. Shrinking never counts out a worker that
         is running tasks: the answer is at least the number of busy running workers."""
-        if type(target_duration) not in (int, float) or not 0 < target_duration < math.inf:
-            raise ValueError(f"target_duration must be a positive number of seconds, not "
+        if type(target_duration) not in (int, float) \
+                or not _MIN_TARGET_DURATION <= target_duration <= _MAX_TARGET_DURATION:
+            raise ValueError(f"target_duration must be a number of seconds from "
+                             f"{_MIN_TARGET_DURATION} to {_MAX_TARGET_DURATION:g}, not "
                              f"{bounded_repr(target_duration)}")
         prefix: TaskPrefix
         ws: WorkerState
@@ -1798,7 +1803,8 @@ class SchedulerState:
         threads: cython.Py_ssize_t = 0
         limited: cython.Py_ssize_t = 0
         limits: cython.double = 0.0
-        held: cython.double = 0.0
+        held: cython.double = 0.0  # by the workers with a limit
+        held_anywhere: cython.bint = False
         for ws in self.workers.values():
             if ws.status != WORKER_RUNNING:
                 continue
@@ -1806,6 +1812,8 @@ class SchedulerState:
             threads += ws.nthreads
             if ws.processing:
                 busy += 1
+            if ws.has_what:
+                held_anywhere = True
             if ws.memory_limit > 0:
                 limited += 1
                 limits += ws.memory_limit
@@ -1816,8 +1824,11 @@ class SchedulerState:
             cpu = min(math.ceil(work / target_duration / per_worker),
                       math.ceil(runnable / per_worker))
         memory: cython.Py_ssize_t = 0
-        if limited and held > 0:
-            memory = math.ceil(held / (_ADAPT_MEMORY_FRACTION * limits / limited))
+        if limited and held > 0:  # (at most twice the workers: as dask, one step at a time)
+            memory = min(math.ceil(held / (_ADAPT_MEMORY_FRACTION * limits / limited)),
+                         2 * max(running, 1))
+        if held_anywhere:  # results held need a worker to live on, limit or not
+            memory = max(memory, 1)
         pending: cython.Py_ssize_t = (self._state_counts[_S_WAITING] + runnable)
         target: cython.Py_ssize_t = max(cpu, memory, 1 if pending else 0)
         if target < running:
@@ -2604,13 +2615,14 @@ class SchedulerState:
     def worker_counts(self) -> dict:
         """Per worker: ``{address: {"name", "nthreads", "processing": tasks running or
         assigned, "in_memory": results it holds, "nbytes": their sizes, "occupancy":
-        estimated seconds of work assigned}}``."""
+        estimated seconds of work assigned, "status": "running" or "retiring"}}``."""
         ws: WorkerState
         out = {}
         for address, ws in self.workers.items():
             out[address] = {"name": ws.name, "nthreads": ws.nthreads,
                             "processing": len(ws.processing), "in_memory": len(ws.has_what),
-                            "nbytes": ws.nbytes, "occupancy": ws.occupancy}
+                            "nbytes": ws.nbytes, "occupancy": ws.occupancy,
+                            "status": ws.status}
         return out
 
     @cython.cfunc

@@ -37,6 +37,10 @@ from .scheduler_view import SchedulerView
 
 __all__ = ["Cluster", "cluster_security", "scheduler_request"]
 
+#: Seconds a graceful retirement may take (its tasks finish, its results move) before
+#: scaling down gives up on it.
+RETIRE_TIMEOUT = 600.0
+
 logger = logging.getLogger("distributed_server.cluster")
 
 #: The credentials of the clusters this process started and has not closed, by
@@ -70,6 +74,7 @@ class Cluster:
         self._procs: list = []  # the processes started on this machine; the scheduler first
         self._scale_lock = threading.RLock()
         self._adaptive = None
+        self._closing = False  # set first thing by close(): no scaling from then on
         self._closed = False
         self._finalizer = weakref.finalize(self, stop_processes, self._procs)
 
@@ -232,18 +237,26 @@ class Cluster:
         (`SchedulerState.workers_to_close`: idle ones holding the least data, then idle
         longest), else the newest."""
         with self._scale_lock:
+            if self._closing:
+                return
             self._check_workers()
             planned = len(self.worker_names)
             while planned < n:
                 planned += len(self._start_worker())
             if planned > n:
-                self.scale_down(self._choose_to_close(planned - n, ask_scheduler), timeout)
+                self.scale_down(self._choose_to_close(planned - n, ask_scheduler), timeout,
+                                force=not ask_scheduler)
 
     def _choose_to_close(self, k: int, ask_scheduler: bool) -> list:
         """The names of ``k`` of this manager's workers to let go (see `scale_to`)."""
         names = self.worker_names
-        joined = {info["name"] for info in self.scheduler_info()["workers"].values()}
+        workers = self.scheduler_info()["workers"].values()
+        joined = {info["name"] for info in workers}
         chosen = [name for name in reversed(names) if name not in joined][:k]
+        # retired already (a retirement that outlasted the last try): let go of those next
+        chosen += [info["name"] for info in workers
+                   if info.get("status", "running") != "running" and info["name"] in names
+                   and info["name"] not in chosen][:k - len(chosen)]
         if len(chosen) < k and ask_scheduler:
             ours = set(names)
             for entry in self.request({"op": "workers-to-close", "n": len(joined)}):
@@ -258,34 +271,43 @@ class Cluster:
                 chosen.append(name)
         return chosen
 
-    def scale_down(self, names: list, timeout: float = 30.0) -> None:
-        """Retire the named workers (their results move to the others first), then stop
-        them through the engine."""
+    def scale_down(self, names: list, timeout: float = 30.0, force: bool = True) -> list:
+        """Retire the named workers (they finish the tasks they were given, and their
+        results move to the others), then stop them through the engine; the names
+        stopped. If the retirement fails (no other worker can take the results, copies
+        fail), ``force`` stops them all the same (`scale`: the scheduler recomputes what
+        is still wanted); without it (`adapt`) none is stopped, and a later step tries
+        again. When every worker goes there is nowhere to move results: they are lost."""
         with self._scale_lock:
             ours = set(self.worker_names)
             names = [name for name in names if name in ours]
             if not names:
-                return
-            if len(names) < len(self.worker_names):
-                self._retire(names, timeout)
+                return []
+            if len(names) < len(self.worker_names) and not self._retire(names, timeout) \
+                    and not force:
+                logger.warning("scaling down: %s not retired; they stay for now", names)
+                return []
             self._stop_workers(names, timeout)
+            return names
 
-    def _retire(self, names: list, timeout: float) -> None:
-        """Ask the scheduler to move the named workers' results elsewhere (they stay
-        connected, taking no task); a refusal is logged, the workers stop anyway."""
+    def _retire(self, names: list, timeout: float) -> bool:
+        """Ask the scheduler to retire the named workers: they finish their tasks and
+        their results move elsewhere (they stay connected, taking no task). True if every
+        one was retired; a refusal or a timeout is logged."""
         joined = {info["name"] for info in self.scheduler_info()["workers"].values()}
         names = [name for name in names if name in joined]
         if not names:
-            return
+            return True
         try:
             result = self.request({"op": "retire-workers", "workers": names,
-                                   "close_workers": False}, timeout)
-        except Exception as exc:  # noqa: BLE001 - scaling down goes on without it
+                                   "close_workers": False}, max(timeout, RETIRE_TIMEOUT))
+        except Exception as exc:  # noqa: BLE001 - the caller decides (force or not)
             logger.warning("scaling down: could not retire %s gracefully: %s", names, exc)
-            return
+            return False
         for address, why in result.get("refused", {}).items():
-            logger.warning("scaling down: worker %s was not retired gracefully (%s); its "
-                           "results are recomputed where still wanted", address, why)
+            logger.warning("scaling down: worker %s was not retired gracefully (%s)",
+                           address, why)
+        return not result.get("refused")
 
     def _wait_for_exactly(self, n: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -323,15 +345,20 @@ class Cluster:
     # ------------------------------------------------------------------ stop
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop adaptive scaling, every worker and the scheduler."""
+        """Stop adaptive scaling, every worker and the scheduler. A scaling step under
+        way finishes first; none starts after."""
+        self._closing = True
         self._stop_adaptive("the cluster closes")
-        with _CREDENTIALS_LOCK:
-            if _CREDENTIALS.get(self.scheduler_address) is self.security:
-                del _CREDENTIALS[self.scheduler_address]
-        self._close_workers(timeout)
-        stop_processes(self._procs, timeout)
-        self._closed = True
-        self._finalizer.detach()
+        with self._scale_lock:
+            with _CREDENTIALS_LOCK:
+                if _CREDENTIALS.get(self.scheduler_address) is self.security:
+                    del _CREDENTIALS[self.scheduler_address]
+            try:
+                self._close_workers(timeout)
+            finally:
+                stop_processes(self._procs, timeout)
+                self._closed = True
+                self._finalizer.detach()
 
     def _close_workers(self, timeout: float) -> None:
         """Stop every worker before the scheduler goes (the engine's part of `close`)."""

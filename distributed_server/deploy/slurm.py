@@ -354,8 +354,17 @@ class SLURMCluster(Cluster):
             logger.warning("cannot watch the jobs: %s", exc)
             return None
         if done.returncode != 0:
-            if "invalid job id" in done.stderr.lower():  # a single id it no longer knows
-                return {}
+            if "invalid job id" in done.stderr.lower():
+                if len(job_ids) == 1:  # the one id it no longer knows: that job ended
+                    return {}
+                # some squeue versions refuse a list with one forgotten id: ask one by one
+                states: dict = {}
+                for job_id in job_ids:
+                    one = self._states([job_id])
+                    if one is None:
+                        return None
+                    states.update(one)
+                return states
             logger.warning("cannot watch the jobs: squeue failed (exit code %d): %s",
                            done.returncode, done.stderr.strip())
             return None
@@ -563,14 +572,14 @@ class SLURMCluster(Cluster):
         chosen = (pending + started)[:wanted]
         return [name for job in chosen for name in job.names]
 
-    def scale_down(self, names: list, timeout: float = 30.0) -> None:
+    def scale_down(self, names: list, timeout: float = 30.0, force: bool = True) -> list:
         """Close the jobs of the named workers: every worker of such a job leaves, named
         or not (a job is SLURM's unit). Their workers are retired first (results move to
-        the workers that stay), then the jobs are cancelled."""
+        the workers that stay), then the jobs are cancelled (`Cluster.scale_down`)."""
         with self._scale_lock:
             whole = [name for job_id in self._jobs_of(names)
                      for name in self._jobs[job_id].names]
-            super().scale_down(whole, timeout)
+            return super().scale_down(whole, timeout, force)
 
     # ------------------------------------------------------------------ stop
 

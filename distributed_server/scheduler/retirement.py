@@ -13,10 +13,10 @@ reports:
   (``replicas_failed``); `ReplicaMover.copy` waits for every answer, or for the
   recipient to leave;
 - dropping a copy: ``remove_replicas`` (never the last one);
-- retirement: ``retire_worker`` (it takes no new task), copies of every result that only
-  retiring workers hold, then ``close`` to the worker (its nanny does not restart a
-  worker that exits cleanly) and its normal departure (``remove_worker``); or
-  ``unretire_worker`` when some result could not be copied.
+- retirement: ``retire_worker`` (it takes no new task; those it was given finish there),
+  copies of every result that only retiring workers hold, then ``close`` to the worker
+  (its nanny does not restart a worker that exits cleanly) and its normal departure
+  (``remove_worker``); or ``unretire_worker`` when some result could not be copied.
 
 One operation at a time (a lock): plans never race each other. What it never does: read
 the core's tasks or workers (it asks the core), write into the state, unpickle, or drop
@@ -42,6 +42,9 @@ CLOSE_TIMEOUT = 30.0
 #: Seconds between two looks at pending copies when no answer wakes the wait (a safety
 #: net: every answer and every departure wakes it).
 POLL_SECONDS = 1.0
+#: Seconds between two looks at a retiring worker's tasks: it finishes the tasks it was
+#: given before its retirement (their results then move too) before it counts as retired.
+DRAIN_POLL_SECONDS = 0.05
 #: Rounds of copies a replicate makes at most (each doubles the copies, or better).
 MAX_REPLICATE_ROUNDS = 64
 #: Most keys or workers one request may name.
@@ -170,6 +173,12 @@ class ReplicaMover:
                                          address)
             logger.info("retiring %d worker(s): %s", len(leaving), ", ".join(leaving))
             refused = await self._move_unique_results(leaving)
+            while True:  # a task it was given before its retirement finishes there first
+                busy = self._busy([a for a in leaving if a not in refused])
+                if not busy:
+                    break
+                await asyncio.sleep(DRAIN_POLL_SECONDS)
+                refused.update(await self._move_unique_results(busy))
             retired = {}
             figures = self.scheduler.identity()["workers"]
             present = set(state.registered(leaving))
@@ -192,6 +201,11 @@ class ReplicaMover:
                         time.monotonic() - started,
                         f" ({len(refused)} refused)" if refused else "")
             return {"retired": retired, "refused": refused}
+
+    def _busy(self, addresses: list) -> list:
+        """Those of ``addresses`` still registered and running or assigned a task."""
+        counts = self.scheduler.state.worker_counts()
+        return [a for a in addresses if a in counts and counts[a]["processing"]]
 
     def _choose(self, workers, n) -> list:
         """The addresses to retire (`SchedulerState.workers_to_retire`)."""

@@ -82,7 +82,13 @@ from .streams import (
     require,
     send_quietly,
 )
-from .worker_info import NO_MEMORY_FIGURES, memory_figures, worker_handshake, worker_process
+from .worker_info import (
+    NO_MEMORY_FIGURES,
+    heartbeat_advice,
+    memory_figures,
+    worker_handshake,
+    worker_process,
+)
 from .worker_requests import WorkerRequests
 
 logger = logging.getLogger("distributed_server.scheduler")
@@ -238,7 +244,8 @@ class Scheduler:
         self._register(COORDINATION_OPS, self.coordination_service.handle)
         self._register(REPLICA_OPS, self._move_replicas)
         self._register(HISTORY_OPS, self.history.handle)
-        #: adaptive_target, workers_to_close, check_idle, retirement by count (adaptive.py)
+        #: adaptive_target, workers_to_close, check_idle (adaptive.py; its retire, for
+        #: the HTTP API, goes through ReplicaMover.retire)
         self.adaptive = AdaptiveRequests(self)
         self._register(ADAPTIVE_OPS, self.adaptive.handle)
 
@@ -519,7 +526,9 @@ class Scheduler:
                 self.worker_memory[address] = memory_figures(msg, address)
                 comm = self.worker_comms.get(address)
                 if comm is not None:  # the worker's proof that we are alive
-                    send_quietly(comm, {"op": "heartbeat"})
+                    interval = heartbeat_advice(len(self.worker_comms))
+                    send_quietly(comm, {"op": "heartbeat"} if interval is None else
+                                 {"op": "heartbeat", "interval": interval})
                 continue
             if op == "reply":  # to a story or logs request (WorkerRequests)
                 self._worker_requests.answer(address, msg)

@@ -10,14 +10,34 @@ from distributed_core import bounded_repr
 from ..comm import parse_address
 from .streams import MessageError, require
 
-__all__ = ["MAX_CPU", "NO_MEMORY_FIGURES", "memory_figures", "worker_handshake",
-           "worker_process"]
+__all__ = ["MAX_CPU", "NO_MEMORY_FIGURES", "heartbeat_advice", "memory_figures",
+           "worker_handshake", "worker_process"]
 
 #: A worker's memory figures before its first heartbeat (or from one that sent none).
 NO_MEMORY_FIGURES = {"memory": None, "managed": None, "spilled": None, "spilled_count": None,
                      "paused": False, "cpu": None}
 #: The most CPU a heartbeat may claim, in cores.
 MAX_CPU = 1e5
+
+
+#: Heartbeats per second the scheduler asks of all its workers together, once they are
+#: many: each worker then beats every n / this seconds (dask slows its workers' heartbeats
+#: with the cluster's size too), so that 1,000 idle workers cost the scheduler what 200
+#: beating every second do.
+HEARTBEATS_PER_SECOND = 200
+#: The slowest heartbeat asked of a worker: well inside a worker's scheduler-timeout
+#: (60 s) and the scheduler's worker-ttl (300 s).
+MAX_HEARTBEAT_SECONDS = 15.0
+
+
+def heartbeat_advice(n_workers: int) -> float | None:
+    """The heartbeat interval (seconds) the scheduler asks of each of its ``n_workers``
+    workers in its answer to their heartbeats, or None while they are few enough for
+    their own (1 s by default): a worker beats at its own interval or this one,
+    whichever is slower."""
+    if n_workers <= HEARTBEATS_PER_SECOND:
+        return None
+    return min(n_workers / HEARTBEATS_PER_SECOND, MAX_HEARTBEAT_SECONDS)
 
 
 def worker_process(info: dict) -> dict:

@@ -25,7 +25,8 @@ machine has that key in memory.
   values in parts (transfers.py); their outcomes become stimuli (``fetch_done``,
   ``fetch_failed``, ``peer_gone``, ``serve_failed``, ``data_put``).
 - Sends a heartbeat every ``heartbeat_interval``, with its memory figures; the scheduler
-  answers each. A scheduler silent for ``scheduler_timeout`` (60 s) counts as lost, as
+  answers each (in a cluster of hundreds of workers, asking for slower beats: the worker
+  then beats at the slower of the two intervals). A scheduler silent for ``scheduler_timeout`` (60 s) counts as lost, as
   does a closed connection. On losing the scheduler it drops all
   data and tasks (``scheduler_lost``: the scheduler will treat it as a new worker) and
   tries to register again for ``reconnect_timeout`` seconds; then it shuts down.
@@ -204,6 +205,7 @@ class Worker:
         self.host = host
         self.port = port
         self.heartbeat_interval = heartbeat_interval
+        self._advised_interval: float | None = None  # the scheduler's, in a big cluster
         self.reconnect_timeout = reconnect_timeout
         if not scheduler_timeout > 0:
             raise ValueError(f"scheduler_timeout must be positive, got {scheduler_timeout!r}")
@@ -580,7 +582,9 @@ class Worker:
                 self._send(introspection_reply(self.state, msg))
             elif op == "plugin-add" or op == "plugin-remove":
                 self._plugin_message(msg)
-            elif op != "heartbeat":  # the scheduler's answer to ours: it is alive
+            elif op == "heartbeat":  # the scheduler's answer to ours: it is alive
+                self._heartbeat_advised(msg.get("interval"))
+            else:
                 logger.warning("worker %s ignores unknown operation %r from the scheduler",
                                self.address, op)
         if steals:  # no thread may begin a job while the machine decides what to give
@@ -588,6 +592,14 @@ class Worker:
                 self._scheduler_messages(tasks, self._executor.begun)
         elif tasks:
             self._scheduler_messages(tasks)
+
+    def _heartbeat_advised(self, interval) -> None:
+        """The scheduler of a big cluster asks for slower heartbeats (``interval``
+        seconds, or None): beat at that or at our own interval, whichever is slower."""
+        if interval is None:
+            self._advised_interval = None
+        elif type(interval) in (int, float) and 0 < interval <= 60:
+            self._advised_interval = float(interval)
 
     def _plugin_message(self, msg: dict) -> None:
         """Install or remove a worker plugin and answer (scheduler_requests.py); a plugin
@@ -646,7 +658,8 @@ class Worker:
 
     def _heartbeat(self) -> None:
         now = self._loop.time()
-        if now - self._last_tick > 2 * self.heartbeat_interval + 1.0:
+        interval = max(self.heartbeat_interval, self._advised_interval or 0.0)
+        if now - self._last_tick > 2 * interval + 1.0:
             # This loop was not running (a task held the GIL, the process was stopped):
             # the scheduler's answers may be waiting unread. Silence counts from now.
             self._last_heard = max(self._last_heard, now)
@@ -661,7 +674,7 @@ class Worker:
             comm.abort()
         self._send({"op": "heartbeat", **self.memory_figures(),
                     "cpu": self._process.cpu_percent(None) / 100})
-        self._heartbeat_handle = self._loop.call_later(self.heartbeat_interval, self._heartbeat)
+        self._heartbeat_handle = self._loop.call_later(interval, self._heartbeat)
 
     # ------------------------------------------------------------------ tasks that launch tasks
 

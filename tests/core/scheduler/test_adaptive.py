@@ -52,6 +52,8 @@ def test_waiting_tasks_keep_one_worker_but_do_not_count_as_work():
                ["b"])
     assert sim.state.adaptive_target(5.0) == 1
     sim.run_all()
+    assert sim.state.adaptive_target(5.0) == 1  # "b" is held, on a worker without a limit
+    sim.release(["b"])
     assert sim.state.adaptive_target(5.0) == 0
 
 
@@ -68,6 +70,14 @@ def test_memory_held_asks_for_workers_to_keep_results_under_sixty_percent():
     assert sim.state.task_counts()["memory"] == 4
     # 1,600 bytes held; 60% of a 1,000-byte worker is 600: 3 workers
     assert sim.state.adaptive_target() == 3
+
+
+def test_the_memory_answer_grows_at_most_twice_the_workers_at_a_time():
+    sim = Sim()
+    sim.add_worker("tcp://w:0", memory_limit=10)
+    sim.submit([{"key": "big", "spec": b"s"}], ["big"])
+    sim.finish("big", nbytes=10**12)
+    assert sim.state.adaptive_target() == 2
 
 
 def test_shrinking_never_counts_out_a_busy_worker():
@@ -132,12 +142,14 @@ def test_check_idle_says_since_when_nothing_is_left_to_run():
     clock.now = 7.0
     sim.run_all()
     assert sim.state.check_idle() == 7.0
+    assert sim.state.adaptive_target() == 1  # the results held need a worker
     clock.now = 9.0
     sim.release([f"burst-{i}" for i in range(2)])
     assert sim.state.check_idle() == 7.0  # still idle since the work ended
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "5s", True, None])
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "5s", True, None,
+                                 5e-324, 10**400, 1e10])
 def test_adaptive_target_refuses_a_bad_duration(bad):
     with pytest.raises(ValueError, match="target_duration"):
         Sim().state.adaptive_target(bad)

@@ -158,3 +158,37 @@ def test_adapt_replaces_a_worker_whose_nanny_was_killed(tmp_path):
         futures = client.map(sleepy, range(4), delay=0.1, record_dir=str(tmp_path),
                              pure=False)
         assert client.gather(futures) == list(range(4))
+
+
+@pytest.mark.parametrize("processes", [True, False])
+def test_workers_let_go_while_running_tasks_finish_them_first(processes, tmp_path):
+    """Scaling down while every worker runs a task: the leaving ones finish theirs, their
+    results move, and nothing runs twice."""
+    with LocalCluster(n_workers=3, processes=processes, dashboard_address=None,
+                      validate=True) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        futures = client.map(sleepy, range(6), delay=1.0, record_dir=str(tmp_path),
+                             pure=False)
+        wait_for(lambda: sum(w["processing"] for w in
+                             cluster.scheduler_info()["workers"].values()) >= 3, timeout=30)
+        cluster.scale(1)
+        assert n_workers(cluster) == 1
+        assert client.gather(futures) == list(range(6))
+        assert runs(tmp_path) == {i: 1 for i in range(6)}
+
+
+def test_adapt_keeps_a_worker_while_results_are_held_without_memory_limits(tmp_path):
+    """Workers without a memory limit (processes=False): held results still need a worker
+    to live on, so adapt(minimum=0) stops at one until they are released."""
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        cluster.adapt(minimum=0, maximum=2, interval="100ms", wait_count=2)
+        kept = client.map(sleepy, range(4), delay=0.2, record_dir=str(tmp_path),
+                          pure=False)
+        wait(kept, timeout=60)
+        time.sleep(1.5)  # many steps with nothing to run
+        assert n_workers(cluster) == 1
+        assert client.gather(kept) == list(range(4))
+        assert runs(tmp_path) == {i: 1 for i in range(4)}
+        del kept
+        wait_for(lambda: n_workers(cluster) == 0, timeout=30)

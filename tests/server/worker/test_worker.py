@@ -584,6 +584,41 @@ def test_heartbeats_arrive_on_the_batched_stream():
     run(main())
 
 
+def test_a_worker_beats_slower_when_the_scheduler_of_a_big_cluster_asks():
+    """The scheduler's answer may carry ``interval``: the worker then beats at the
+    slower of its own interval and that one (and back at its own without it); a
+    malformed interval is ignored."""
+    async def main():
+        async with FakeScheduler() as s, await s.worker(heartbeat_interval=0.05) as w:
+            await s.wait_for(lambda: len(s.ops("heartbeat")) >= 2, timeout=5)
+            s.send(w, {"op": "heartbeat", "interval": 0.6})
+            await s.wait_for(lambda: w._advised_interval == 0.6, timeout=5)
+            await asyncio.sleep(0.1)  # the beat already timed at 0.05 s goes out
+            before = len(s.ops("heartbeat"))
+            await asyncio.sleep(1.0)
+            assert len(s.ops("heartbeat")) - before <= 3  # ~1 at 0.6 s, not ~20
+            for bad in (-1, "2", 1e9, True):
+                s.send(w, {"op": "heartbeat", "interval": bad})
+            s.send(w, {"op": "heartbeat"})  # a small cluster again: our own interval
+            await s.wait_for(lambda: w._advised_interval is None, timeout=5)
+            await asyncio.sleep(0.7)
+            before = len(s.ops("heartbeat"))
+            await asyncio.sleep(0.5)
+            assert len(s.ops("heartbeat")) - before >= 4
+    run(main())
+
+
+def test_the_scheduler_asks_for_slower_heartbeats_only_of_a_big_cluster():
+    from distributed_server.scheduler.worker_info import (
+        MAX_HEARTBEAT_SECONDS,
+        heartbeat_advice,
+    )
+
+    assert heartbeat_advice(1) is None and heartbeat_advice(200) is None
+    assert heartbeat_advice(1000) == 5.0
+    assert heartbeat_advice(10**6) == MAX_HEARTBEAT_SECONDS
+
+
 def test_peers_can_put_get_and_ping():
     async def main():
         async with FakeScheduler() as s, await s.worker() as w:
