@@ -3,8 +3,9 @@
 A real ``dcore scheduler`` process (token handshake, its dashboard on) is joined by N
 lightweight worker endpoints: each is a real connection that registers as a worker does
 (the same handshake, versions and process facts), heartbeats as a worker does by default
-(every second, or slower when the scheduler of a big cluster asks), and answers every ``compute-task`` at once with the ``task-finished``
-report a worker sends for a no-op task (``None``, inline). Many endpoints share a process
+(every second, or slower when the scheduler of a big cluster asks), and answers every
+``compute-task`` at once with the ``task-finished`` report a worker sends for a no-op
+task (``None``, inline). Many endpoints share a process
 (a few processes in all), so a thousand fit on this machine; what the scheduler sees is
 what a thousand workers send it. Printed per N:
 
@@ -252,11 +253,12 @@ def main(argv=None) -> None:
     if ("dcore", small) in results and ("dcore", big) in results and small != big:
         at_big, at_small = results[("dcore", big)], results[("dcore", small)]
         ratio = at_big["map_tasks_per_s"] / at_small["map_tasks_per_s"]
+        slowest = max(at_big["status_ms"], at_big["metrics_ms"])
         print(f"\ntargets at N={big}: idle CPU {at_big['idle_cpu_pct']:.2f} % (<= 5 %: "
               f"{'met' if at_big['idle_cpu_pct'] <= 5 else 'MISSED'}); map throughput "
               f"{ratio:.2f}x of N={small} (>= 0.75: {'met' if ratio >= 0.75 else 'MISSED'}); "
               f"/status {at_big['status_ms']:.2f} ms, /metrics {at_big['metrics_ms']:.2f} ms "
-              f"(< 5 ms: {'met' if max(at_big['status_ms'], at_big['metrics_ms']) < 5 else 'MISSED'})")
+              f"(< 5 ms: {'met' if slowest < 5 else 'MISSED'})")
     if args.json:
         print(json.dumps({f"{s}-{n}": r for (s, n), r in results.items()}, indent=1))
 

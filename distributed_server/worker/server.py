@@ -26,10 +26,11 @@ machine has that key in memory.
   ``fetch_failed``, ``peer_gone``, ``serve_failed``, ``data_put``).
 - Sends a heartbeat every ``heartbeat_interval``, with its memory figures; the scheduler
   answers each (in a cluster of hundreds of workers, asking for slower beats: the worker
-  then beats at the slower of the two intervals). A scheduler silent for ``scheduler_timeout`` (60 s) counts as lost, as
-  does a closed connection. On losing the scheduler it drops all
-  data and tasks (``scheduler_lost``: the scheduler will treat it as a new worker) and
-  tries to register again for ``reconnect_timeout`` seconds; then it shuts down.
+  then beats at the slower of the two intervals). A scheduler silent for
+  ``scheduler_timeout`` (60 s) counts as lost, as does a closed connection. On losing the
+  scheduler it drops all data and tasks (``scheduler_lost``: the scheduler will treat it
+  as a new worker) and tries to register again for ``reconnect_timeout`` seconds; then it
+  shuts down.
 
 What it never does
 ------------------
