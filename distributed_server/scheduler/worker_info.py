@@ -22,9 +22,10 @@ MAX_CPU = 1e5
 
 #: Heartbeats per second the scheduler asks of all its workers together, once they are
 #: many: each worker then beats every n / this seconds (dask slows its workers' heartbeats
-#: with the cluster's size too), so that 1,000 idle workers cost the scheduler what 200
-#: beating every second do.
-HEARTBEATS_PER_SECOND = 200
+#: with the cluster's size too: 6 s at 1,000), so that 1,000 idle workers cost the
+#: scheduler what 100 beating every second do (each costs it ~0.3 ms of CPU here, most
+#: of it the answer's write; benchmarks/many_workers.py).
+HEARTBEATS_PER_SECOND = 100
 #: The slowest heartbeat asked of a worker: well inside a worker's scheduler-timeout
 #: (60 s) and the scheduler's worker-ttl (300 s).
 MAX_HEARTBEAT_SECONDS = 15.0

@@ -614,8 +614,8 @@ def test_the_scheduler_asks_for_slower_heartbeats_only_of_a_big_cluster():
         heartbeat_advice,
     )
 
-    assert heartbeat_advice(1) is None and heartbeat_advice(200) is None
-    assert heartbeat_advice(1000) == 5.0
+    assert heartbeat_advice(1) is None and heartbeat_advice(100) is None
+    assert heartbeat_advice(1000) == 10.0
     assert heartbeat_advice(10**6) == MAX_HEARTBEAT_SECONDS
 
 
