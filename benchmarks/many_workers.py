@@ -5,7 +5,8 @@ lightweight worker endpoints: each is a real connection that registers as a work
 (the same handshake, versions and process facts), heartbeats as a worker does by default
 (every second, or slower when the scheduler of a big cluster asks), and answers every
 ``compute-task`` at once with the ``task-finished`` report a worker sends for a no-op
-task (``None``, inline). Many endpoints share a process
+task (``None``, inline), and every ``steal-request`` as a worker whose task is done
+(not given). Many endpoints share a process
 (a few processes in all), so a thousand fit on this machine; what the scheduler sees is
 what a thousand workers send it. Printed per N:
 
@@ -93,6 +94,10 @@ async def endpoint(scheduler: str, name: str, security, listener_host: str,
                     comm.send({"op": "task-finished", "key": msg["key"], "nbytes": 16,
                                "type": "NoneType", "start": now, "stop": now,
                                "data": none})
+                elif msg.get("op") == "steal-request":  # finished already: not given
+                    comm.send({"op": "steal-response", "key": msg["key"],
+                               "request": msg["request"], "given": False, "state": None,
+                               "stimulus_id": f"steal-{msg['request']}"})
                 elif msg.get("op") == "heartbeat":
                     advised[0] = msg.get("interval")
                 elif msg.get("op") == "close":

@@ -309,3 +309,25 @@ def test_the_core_says_when_a_report_wants_a_balance_at_once():
                                          - sim.state.workers[busy].nthreads]:
         sim.finish(key, worker=busy)
     assert sim.state.balance_wanted(busy)
+
+
+def test_among_many_thieves_the_holder_of_a_tasks_input_is_weighed_too():
+    """A balance weighs, for each task, only the few least loaded thieves and those
+    holding its inputs: the holder of a big input gets the tasks even when it is not
+    among the least loaded (all thieves idle here, the holder joined last)."""
+    sim = Sim()
+    sim.add_worker("a", 1)
+    sim.submit([task("r")] + [task(f"t{i}", "r") for i in range(FANOUT)],
+               [f"t{i}" for i in range(FANOUT)])
+    sim.finish("r", nbytes=10**9)  # 10 s to move at the assumed bandwidth
+    for i in range(20):
+        sim.add_worker(f"b{i:02d}", 1)
+    sim.add_worker("c", 1)
+    sim.record(sim.state.acquire_replicas("c", ["r"], sim.sid("acquire")))
+    sim.copied("c", "r")
+    sim.balance()
+    asked = steal_asks(sim, "a")
+    assert asked  # without weighing "c", moving r (10 s) is never worth it
+    sim.answer_steals("a")
+    assert set(sim.computing["c"]) == set(asked)
+    assert not any(sim.computing[f"b{i:02d}"] for i in range(20))
