@@ -498,11 +498,21 @@ def _resolve_worker_addresses(args) -> None:
                              "--nworkers 1")
 
 
+def _task_client(address: str, **kwargs):
+    """The client a task's ``get_client()`` gets in a worker process: the client package
+    is imported on that first use, so a worker whose tasks never ask starts without it."""
+    from .client.client import Client
+
+    return Client(address, **kwargs)
+
+
 async def _run_worker(args) -> int:
     from .deploy.nanny import LIFETIME_EXIT_CODE
     from .worker.server import Worker
+    from .worker.task_context import install_client_factory
 
     preloads = args.preloads
+    install_client_factory(_task_client)
     _tune_gc_for_a_worker()
     GC_PAUSES.install()
     worker = Worker(args.address, nthreads=args.nthreads, name=args.name,

@@ -80,6 +80,7 @@ def install_client_factory(factory: Callable) -> None:
 def make_client(address: str, **kwargs):
     """A new client for tasks on a worker, made by the installed factory."""
     if _client_factory is None:
-        raise RuntimeError("no client factory is installed: import distributed_server.client "
-                           "(importing distributed_server does) before tasks ask for a client")
+        raise RuntimeError("no client factory is installed: import "
+                           "distributed_server.client.client (get_client does) before tasks "
+                           "ask for a client")
     return _client_factory(address, **kwargs)

@@ -48,7 +48,8 @@ def test_counters_follow_tasks_through_their_lives():
     assert c["task_counts"] == counts(processing=1, memory=1)
     assert c["nbytes_in_memory"] == 10
     assert state.worker_counts() == {"A": {"name": "A", "nthreads": 1, "processing": 1,
-                                           "in_memory": 1, "nbytes": 10, "occupancy": 0.5}}
+                                           "in_memory": 1, "nbytes": 10, "occupancy": 0.5,
+                                           "status": "running"}}
 
     sim.finish("y", nbytes=5)  # nobody needs x's result: released, kept for y
     c = state.counters()
