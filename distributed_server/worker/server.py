@@ -596,11 +596,13 @@ class Worker:
 
     def _heartbeat_advised(self, interval) -> None:
         """The scheduler of a big cluster asks for slower heartbeats (``interval``
-        seconds, or None): beat at that or at our own interval, whichever is slower."""
+        seconds, or None): beat at that or at our own interval, whichever is slower, but
+        at least 4 times per ``scheduler_timeout`` (the scheduler's answers to them are
+        what tells this worker that it is alive)."""
         if interval is None:
             self._advised_interval = None
         elif type(interval) in (int, float) and 0 < interval <= 60:
-            self._advised_interval = float(interval)
+            self._advised_interval = min(float(interval), self.scheduler_timeout / 4)
 
     def _plugin_message(self, msg: dict) -> None:
         """Install or remove a worker plugin and answer (scheduler_requests.py); a plugin

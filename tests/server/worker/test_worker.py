@@ -608,6 +608,18 @@ def test_a_worker_beats_slower_when_the_scheduler_of_a_big_cluster_asks():
     run(main())
 
 
+def test_an_advised_heartbeat_stays_well_inside_the_workers_scheduler_timeout():
+    """A worker that counts the scheduler lost after 2 s of silence beats at least every
+    0.5 s, whatever the scheduler asks: its answers are the worker's proof of life."""
+    async def main():
+        async with FakeScheduler() as s, \
+                await s.worker(heartbeat_interval=0.05, scheduler_timeout=2.0) as w:
+            s.send(w, {"op": "heartbeat", "interval": 10.0})
+            await s.wait_for(lambda: w._advised_interval is not None, timeout=5)
+            assert w._advised_interval == 0.5
+    run(main())
+
+
 def test_the_scheduler_asks_for_slower_heartbeats_only_of_a_big_cluster():
     from distributed_server.scheduler.worker_info import (
         MAX_HEARTBEAT_SECONDS,
