@@ -145,7 +145,10 @@ def test_the_job_script_asks_for_what_was_given_and_credentials_stay_off_it(slur
         for proc in psutil.process_iter(["cmdline", "environ"]):
             try:
                 assert token not in " ".join(proc.info["cmdline"] or ()), proc.info["cmdline"]
-                if (proc.info["environ"] or {}).get("SLURM_JOB_ID") == job_id:
+                environ = proc.info["environ"] or {}
+                # this test's job: job ids restart at 1001 in every shim directory
+                if environ.get("SLURM_JOB_ID") == job_id and \
+                        environ.get("SLURM_SHIM_DIR") == os.environ.get("SLURM_SHIM_DIR"):
                     in_job.append(proc.info)
             except psutil.Error:
                 pass
