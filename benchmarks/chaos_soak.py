@@ -521,7 +521,13 @@ def run_soak(config: SoakConfig, directory: Path | None = None, log=print) -> So
 
 def _held_by_workers(client, report: SoakReport) -> dict:
     """What every worker still holds, asked of each by a probe task pinned to it; a
-    worker may take a moment to get the last free-keys."""
+    worker may take a moment to get the last free-keys.  A worker killed at the very end
+    of the last round may still be listed for a moment: its probe is dropped and the
+    workers are listed again."""
+
+    def totals(held: dict) -> dict:
+        return {w: c["data"] + c["tasks"] for w, c in held.items()}
+
     held: dict = {}
     for attempt in range(50):
         held = {}
@@ -529,20 +535,36 @@ def _held_by_workers(client, report: SoakReport) -> dict:
             probe = client.submit(held_by_this_worker, key=f"{PROBE_PREFIX}{address}-"
                                   f"{attempt}", workers=[address], pure=False)
             try:
-                found = probe.result(timeout=30)
+                found = _probe_result(client, probe, address, timeout=30.0)
             except Exception as exc:  # noqa: BLE001
                 report.failures.append(f"after the soak: the probe of {address} failed: "
                                        f"{type(exc).__name__}: {exc}")
-                return held
+                return totals(held)
             finally:
                 probe.release()
+            if found is None:
+                break  # the worker left: list them again
             for worker, counts in found.items():
                 held[worker] = counts
-        if not any(c["data"] or c["tasks"] for c in held.values()):
-            return {w: 0 for w in held}
+        else:
+            if not any(c["data"] or c["tasks"] for c in held.values()):
+                return {w: 0 for w in held}
         time.sleep(0.1)
     report.failures.append(f"after the soak: workers still hold results or tasks: {held}")
-    return {w: c["data"] + c["tasks"] for w, c in held.items()}
+    return totals(held)
+
+
+def _probe_result(client, probe, address: str, timeout: float):
+    """The probe's answer, or None once its worker is no longer in the cluster."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return probe.result(timeout=0.5)
+        except (TimeoutError, asyncio.TimeoutError):
+            if address not in client.scheduler_info()["workers"]:
+                return None
+            if time.monotonic() > deadline:
+                raise
 
 
 def main(argv: list | None = None) -> int:
