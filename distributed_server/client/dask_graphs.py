@@ -49,6 +49,7 @@ whatever the graph's functions import) but no code of their own for it.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import gc
 import heapq
 import importlib.util
@@ -270,16 +271,24 @@ class SpecPickler:
         self.found: list | None = None
         self._buffer = io.BytesIO()
         self._cloud = _CachingPickler(self._buffer)
+        self._plain_buffer = io.BytesIO()
+        self._plain = pickle.Pickler(self._plain_buffer, protocol=5)
+        self._plain.dispatch_table = _slim_reducers()
 
     def dumps(self, node) -> bytes:
         self.count += 1
         self.found = None
         if self.by_value > 64 and 2 * self.by_value > self.count:
             return self._by_value(node)  # most of this graph needs cloudpickle
+        buffer, pickler = self._plain_buffer, self._plain
+        buffer.seek(0)
+        buffer.truncate()
+        pickler.clear_memo()
         try:
-            spec = pickle.dumps(node, protocol=5)
+            pickler.dump(node)
         except Exception:  # noqa: BLE001 - lambdas, local functions, futures...
             return self._by_value(node)
+        spec = buffer.getvalue()
         for marker in self.markers:
             if marker in spec:  # refers to __main__ or a by-value module: not importable
                 return self._by_value(node)
@@ -304,6 +313,42 @@ class SpecPickler:
         pickler.clear_memo()
         pickler.dump(node)
         return buffer.getvalue()
+
+
+def _slim_reducers() -> dict:
+    """A dispatch table (type -> reducer) for objects whose standard pickle carries
+    bytes a worker does not need: a ``toolz.curry`` pickles its ``__dict__``, which
+    dask.array's wrapped numpy functions (``ones_like``, ``full``...) fill with numpy's
+    docstring: 2 KB in every such task's spec. Its reducer drops ``__doc__``, the only
+    change being the docstring on the worker. A plain dict, copied from ``copyreg``'s
+    table (which it replaces: numpy's ufuncs are registered there), so the pickler looks
+    types up in C and other objects cost nothing more."""
+    table = dict(copyreg.dispatch_table)
+    try:
+        from toolz.functoolz import curry
+    except ImportError:
+        return table
+    table[curry] = _CurryWithoutDoc()
+    return table
+
+
+class _CurryWithoutDoc:
+    """Reduces a ``toolz.curry`` without its ``__doc__``; each curry once (the tasks of a
+    layer share theirs), so a graph's pickler holds one of these."""
+
+    def __init__(self) -> None:
+        self._reduced: dict = {}  # id -> (curry, its reduction): the curry kept alive
+
+    def __call__(self, curried):
+        found = self._reduced.get(id(curried))
+        if found is not None:
+            return found[1]
+        restore, state = curried.__reduce__()
+        if len(state) >= 5 and type(state[4]) is tuple:  # else a toolz this does not know
+            userdict = tuple(item for item in state[4] if item[0] != "__doc__")
+            state = (*state[:4], userdict, *state[5:])
+        self._reduced[id(curried)] = (curried, (restore, state))
+        return restore, state
 
 
 class _CachingPickler(cloudpickle.Pickler):
