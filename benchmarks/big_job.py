@@ -253,11 +253,29 @@ def run(n: int, jobs: list[str]) -> dict:
             phases.close()
         rss_end = phases.process.memory_info().rss
         gc_pauses = _gc_pauses(cluster)
-    return {"n": n, "jobs": jobs, "phases": phases.figures(waits),
+        trims = _heap_trims(cluster)
+    return {"n": n, "jobs": jobs, "phases": phases.figures(waits), **trims,
             "scheduler_gc_longest_ms": {g: 1e3 * longest for g, (_, longest) in gc_pauses.items()},
             "scheduler_gc_total_s": sum(total for total, _ in gc_pauses.values()),
             "scheduler_rss_start_mib": phases.rss_start / 2**20,
             "scheduler_rss_end_mib": rss_end / 2**20, **extra}
+
+
+def _heap_trims(cluster) -> dict:
+    """The scheduler's heap trims so far (seconds in all, the longest), from ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = cluster.dashboard_link.replace("/status", "/metrics")
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dcore_scheduler_heap_trim_seconds_total":
+                found["scheduler_heap_trim_total_s"] = sample.value
+            elif sample.name == "dcore_scheduler_heap_trim_max_seconds":
+                found["scheduler_heap_trim_longest_ms"] = 1e3 * sample.value
+    return found
 
 
 def report(result: dict) -> str:
@@ -278,6 +296,10 @@ def report(result: dict) -> str:
                         sorted(result["scheduler_gc_longest_ms"].items()))
     lines.append(f"scheduler garbage collection: {result['scheduler_gc_total_s']:.2f} s in all; "
                  f"longest pause: {longest}")
+    if "scheduler_heap_trim_total_s" in result:
+        lines.append(f"scheduler heap trims (malloc_trim, and a collection before the last): "
+                     f"{result['scheduler_heap_trim_total_s']:.2f} s in all; longest "
+                     f"{result['scheduler_heap_trim_longest_ms']:.0f} ms")
     if "dask_tasks" in result:
         lines.append(f"dask graph: {result['dask_tasks']:,} tasks sent "
                      f"({result['dask_tasks_before_optimization']:,} before dask optimized it)")

@@ -198,6 +198,11 @@ class SchedulerCollector:
                        "stream", server["task_stream_total"])
         yield from _loop_lag(p, figures.scheduler.loop_lag)
         yield from _gc_pauses(p)
+        trimmer = figures.scheduler.heap_trimmer
+        yield _counter(f"{p}_heap_trim_seconds", "Time spent giving freed heap memory "
+                       "back to the operating system after big releases", trimmer.seconds)
+        yield _gauge(f"{p}_heap_trim_max_seconds", "The longest single heap trim",
+                     trimmer.longest)
         yield from _traffic(p)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import time
 
 #: Tasks that must be forgotten (from the most held since the last trim) before a trim.
 TRIM_AFTER_TASKS = 50_000
@@ -46,6 +47,8 @@ class HeapTrimmer:
         self.after = after
         self.high = 0  # most tasks held since the last trim
         self.trims = 0
+        self.seconds = 0.0  # spent trimming (and collecting before a trim), in all
+        self.longest = 0.0  # the longest single trim, collection included
 
     def held(self, n_tasks: int) -> bool:
         """Tell it ``n_tasks`` are held now; True if it trimmed the heap."""
@@ -57,7 +60,11 @@ class HeapTrimmer:
             return False
         self.high = n_tasks
         self.trims += 1
+        started = time.perf_counter()
         if n_tasks < self.after:
             gc.collect()
         trim_heap()
+        took = time.perf_counter() - started
+        self.seconds += took
+        self.longest = max(self.longest, took)
         return True

@@ -56,6 +56,8 @@ def test_the_scheduler_metrics_show_gc_pauses_once_timed():
             m = metrics((await fetch(s.http.url + "/metrics")).body.decode())
             assert ("dcore_scheduler_gc_pause_seconds_total", (("generation", "2"),)) \
                 not in m
+            assert m[("dcore_scheduler_heap_trim_seconds_total", ())] == 0.0
+            assert m[("dcore_scheduler_heap_trim_max_seconds", ())] == 0.0
             GC_PAUSES.install()
             try:
                 gc.collect(2)

@@ -25,3 +25,13 @@ def test_trim_heap_answers_without_glibc_too(monkeypatch):
     assert type(heap_trim.trim_heap()) is bool
     monkeypatch.setattr(heap_trim, "_MALLOC_TRIM", None)
     assert heap_trim.trim_heap() is False
+
+
+def test_trims_are_timed(monkeypatch):
+    import time
+
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: time.sleep(0.02) or True)
+    trimmer = HeapTrimmer(after=10)
+    assert trimmer.seconds == trimmer.longest == 0.0
+    assert [trimmer.held(n) for n in (100, 50, 45)] == [False, True, False]
+    assert trimmer.trims == 1 and 0.02 <= trimmer.longest == trimmer.seconds < 1.0
