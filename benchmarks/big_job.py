@@ -297,7 +297,7 @@ def report(result: dict) -> str:
     lines.append(f"scheduler garbage collection: {result['scheduler_gc_total_s']:.2f} s in all; "
                  f"longest pause: {longest}")
     if "scheduler_heap_trim_total_s" in result:
-        lines.append(f"scheduler heap trims (malloc_trim, and a collection before the last): "
+        lines.append(f"scheduler heap trims (malloc_trim): "
                      f"{result['scheduler_heap_trim_total_s']:.2f} s in all; longest "
                      f"{result['scheduler_heap_trim_longest_ms']:.0f} ms")
     if "dask_tasks" in result:

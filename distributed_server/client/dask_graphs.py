@@ -23,8 +23,8 @@ What this module does (all of it on the client)
   first: each task dict holds the key, the pickled node (the run spec), the dependency
   keys, the order and the options/annotations the scheduler understands.
 - Slices: a graph larger than `SLICE_TASKS` tasks (or `SLICE_BYTES` of specs) goes out
-  as several update-graph messages, so the scheduler serves heartbeats and other
-  clients between them. The client sends a slice once the scheduler has answered a
+  as several update-graph messages of at most `SLICE_MAX_TASKS` tasks, so the
+  scheduler serves heartbeats and other clients between them. The client sends a slice once the scheduler has answered a
   request sent after the previous one, and sizes slices (`GraphPlan.adapt`) so that
   this takes about `SLICE_SECONDS` (the time covers pickling the next slice too). The
   scheduler forgets at once a task that nobody wants and that has no dependents yet,
@@ -67,8 +67,12 @@ logger = logging.getLogger("distributed_server.dask_support")
 
 DASK_REQUIRED = 'this needs dask: pip install "distributed-core[dask]"'
 
-#: Tasks per update-graph message at most; larger graphs are sent in slices.
+#: A graph of more tasks than this is sent in slices (else in one update-graph).
 SLICE_TASKS = 10_000
+#: Tasks per slice at most. The scheduler takes a slice in as one stimulus, which no
+#: other peer can interrupt: at its ~12 us per dask task, 10,000-task slices held its
+#: loop for 110-125 ms each (a million-chunk array graph, benchmarks/big_job.py).
+SLICE_MAX_TASKS = 4_000
 #: Size of a sliced graph's first slice, and the least any slice is cut down to.
 SLICE_FIRST_TASKS = 2_000
 SLICE_MIN_TASKS = 500
@@ -452,7 +456,8 @@ class GraphPlan:
         self.wanted = set(wanted)
         self.options = options
         self.wire = wire
-        self.max_slice_tasks = max(1, slice_tasks or SLICE_TASKS)
+        whole = max(1, slice_tasks or SLICE_TASKS)
+        self.max_slice_tasks = min(whole, SLICE_MAX_TASKS)
         self.slice_bytes = slice_bytes or SLICE_BYTES
         self.annotations = _task_annotations(graph.annotations)
         if held:
@@ -462,9 +467,9 @@ class GraphPlan:
         self.external: set = set()
         self.last_use: dict = {}
         self._index(nodes)
-        self.sliced = len(self.sequence) > self.max_slice_tasks
+        self.sliced = len(self.sequence) > whole
         self.slice_tasks = (min(SLICE_FIRST_TASKS, self.max_slice_tasks) if self.sliced
-                            else self.max_slice_tasks)
+                            else whole)
         self.position = 0
         self.pickler = SpecPickler()
         self._pending_release: list = []  # heap of (last use, n, key)
