@@ -24,13 +24,13 @@ What this module does (all of it on the client)
   keys, the order and the options/annotations the scheduler understands.
 - Slices: a graph larger than `SLICE_TASKS` tasks (or `SLICE_BYTES` of specs) goes out
   as several update-graph messages of at most `SLICE_MAX_TASKS` tasks, so the
-  scheduler serves heartbeats and other clients between them. The client sends a slice once the scheduler has answered a
-  request sent after the previous one, and sizes slices (`GraphPlan.adapt`) so that
-  this takes about `SLICE_SECONDS` (the time covers pickling the next slice too). The
-  scheduler forgets at once a task that nobody wants and that has no dependents yet,
-  so a slice also wants, temporarily, its "frontier": the keys whose dependents come
-  in a later slice. Each is released right after the slice holding its last dependent
-  (see `SlicePart.release`).
+  scheduler serves heartbeats and other clients between them. The client sends a slice
+  once the scheduler has answered a request sent after the previous one, and sizes
+  slices (`GraphPlan.adapt`) so that this takes about `SLICE_SECONDS` (the time covers
+  pickling the next slice too). The scheduler forgets at once a task that nobody wants
+  and that has no dependents yet, so a slice also wants, temporarily, its "frontier":
+  the keys whose dependents come in a later slice. Each is released right after the
+  slice holding its last dependent (see `SlicePart.release`).
 - `SpecPickler`: a node is pickled with the standard pickler (no Python callback per
   object) unless it refers to something a worker cannot import — ``__main__`` or a
   module registered with ``cloudpickle.register_pickle_by_value``, found by looking for

@@ -49,8 +49,8 @@ class HeapTrimmer:
         self.after = after
         self.high = 0  # most tasks held since the last trim
         self.trims = 0
-        self.seconds = 0.0  # spent trimming (and collecting before a trim), in all
-        self.longest = 0.0  # the longest single trim, collection included
+        self.seconds = 0.0  # spent trimming, in all
+        self.longest = 0.0  # the longest single trim
 
     def held(self, n_tasks: int) -> bool:
         """Tell it ``n_tasks`` are held now; True if it trimmed the heap."""
