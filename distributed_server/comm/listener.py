@@ -7,10 +7,10 @@ What it protects
 Until its handshake is done a connection may send frames of at most
 ``HANDSHAKE_MAX_FRAME_BYTES`` (64 KiB) and has ``handshake_timeout`` seconds. A listener
 caps open connections (in all and per host) and connections still in their handshake
-(`MAX_PENDING`, `MAX_PENDING_PER_HOST`: over a cap the oldest of that host goes first),
-refuses the rest with a clear error, and pauses accepting (instead of spinning) when the
-process runs out of file descriptors. Refusals and failed handshakes are logged at most a
-few times per 10 s, so a peer cannot flood the log.
+(`MAX_PENDING`, `MAX_PENDING_PER_HOST`: over a cap the oldest of the most crowded host
+goes first), refuses the rest with a clear error, and pauses accepting (instead of
+spinning) when the process runs out of file descriptors. Refusals and failed
+handshakes are logged at most a few times per 10 s, so a peer cannot flood the log.
 """
 
 from __future__ import annotations
@@ -180,15 +180,18 @@ class Listener:
         return None
 
     def _make_room_for_a_handshake(self, host: str) -> None:
-        """Over a cap on connections in their handshake, drop the oldest one (of this
-        host first): whoever keeps the caps full with silent connections only ever
-        evicts its own, while a peer that completes its handshake promptly gets in."""
+        """Over a cap on connections in their handshake, drop the oldest one of this
+        host if it is at its own cap, else the oldest of the host with the most: whoever
+        keeps the caps full with silent connections only ever evicts its own. (Dropping
+        the oldest of all let a flood from several hosts, reconnecting as fast as it was
+        dropped, evict an honest peer still in its handshake within milliseconds.)"""
         if self._pending_by_host.get(host, 0) >= MAX_PENDING_PER_HOST:
-            victim = next(c for c, h in self._pending.items() if h == host)
+            crowded = host
         elif len(self._pending) >= MAX_PENDING:
-            victim = next(iter(self._pending))
+            crowded = max(self._pending_by_host, key=self._pending_by_host.__getitem__)
         else:
             return
+        victim = next(c for c, h in self._pending.items() if h == crowded)
         self._log_refusal("%s dropped %s, the oldest connection in its handshake: too many "
                           "(limits %d, %d per host)", self.address, victim.peer_address,
                           MAX_PENDING, MAX_PENDING_PER_HOST)

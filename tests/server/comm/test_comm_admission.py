@@ -37,9 +37,10 @@ from distributed_server.security import Security, SecurityError
 TOKEN = "a-cluster-token-of-some-length"
 
 
-async def open_raw(address: str):
+async def open_raw(address: str, source: str | None = None):
     _, host, port = parse_address(address)
-    return await asyncio.open_connection(host, port)
+    return await asyncio.open_connection(
+        host, port, local_addr=None if source is None else (source, 0))
 
 
 # ---------------------------------------------------------------- the token
@@ -249,6 +250,31 @@ def test_connections_beyond_the_cap_are_refused_with_a_clear_error():
             await comm.write([{"op": "still-served"}])
             assert await comm.read() == [{"op": "still-served"}]
             comm.abort()
+        await listener.stop()
+
+    run(main())
+
+
+def test_a_flood_from_several_hosts_evicts_its_own_handshakes_not_a_peers():
+    """Over the cap on all handshakes, the oldest connection of the most crowded host
+    goes: a peer whose handshake is the oldest of all is not the one dropped by a flood
+    from hosts that each stay under their own cap."""
+    async def main():
+        listener = await listen("tcp://127.0.0.1:0", echo, {}, Security(token=TOKEN),
+                                handshake_timeout=5.0)
+        peer = await open_raw(listener.address, "127.0.0.1")
+        sources = [f"127.0.0.{i}" for i in range(2, 7)]
+        per_host = listener_module.MAX_PENDING_PER_HOST - 4
+        assert len(sources) * per_host > listener_module.MAX_PENDING
+        flood = [await open_raw(listener.address, source)
+                 for _ in range(per_host) for source in sources]
+        await asyncio.sleep(0.2)
+        assert len(listener._pending) == listener_module.MAX_PENDING
+        assert list(listener._pending.values()).count("127.0.0.1") == 1
+        assert all(n <= per_host for n in listener._pending_by_host.values())
+        peer[1].close()
+        for _, writer in flood:
+            writer.close()
         await listener.stop()
 
     run(main())
