@@ -34,7 +34,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -42,7 +41,13 @@ sys.path.insert(0, HERE)
 import psutil  # noqa: E402
 from _e2e_tasks import inc, noop, second, wait_for_event  # noqa: E402
 from e2e import save_results  # noqa: E402
-from release_stall import _env, _gc_pauses, _probe_waits, _start_probe  # noqa: E402
+from release_stall import (  # noqa: E402
+    _env,
+    _gc_pauses,
+    _probe_waits,
+    _scheduler_samples,
+    _start_probe,
+)
 
 from distributed_server import Client, Event, LocalCluster, wait  # noqa: E402
 
@@ -176,15 +181,9 @@ def job_dask(client, cluster, phases: Phases, n: int) -> dict:
 
 def _graph_tasks(cluster) -> int:
     """Tasks the scheduler has received in graph updates so far (its ``/metrics``)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = cluster.dashboard_link.replace("/status", "/metrics")
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "dcore_scheduler_graph_tasks_total":
-                return int(sample.value)
+    for sample in _scheduler_samples(cluster):
+        if sample.name == "dcore_scheduler_graph_tasks_total":
+            return int(sample.value)
     raise RuntimeError("the scheduler's /metrics has no graph_tasks counter")
 
 
@@ -263,18 +262,12 @@ def run(n: int, jobs: list[str]) -> dict:
 
 def _heap_trims(cluster) -> dict:
     """The scheduler's heap trims so far (seconds in all, the longest), from ``/metrics``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = cluster.dashboard_link.replace("/status", "/metrics")
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
     found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "dcore_scheduler_heap_trim_seconds_total":
-                found["scheduler_heap_trim_total_s"] = sample.value
-            elif sample.name == "dcore_scheduler_heap_trim_max_seconds":
-                found["scheduler_heap_trim_longest_ms"] = 1e3 * sample.value
+    for sample in _scheduler_samples(cluster):
+        if sample.name == "dcore_scheduler_heap_trim_seconds_total":
+            found["scheduler_heap_trim_total_s"] = sample.value
+        elif sample.name == "dcore_scheduler_heap_trim_max_seconds":
+            found["scheduler_heap_trim_longest_ms"] = 1e3 * sample.value
     return found
 
 

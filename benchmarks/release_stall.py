@@ -91,21 +91,26 @@ def _stall_figures(waits: list, start: float, stop: float) -> dict:
     }
 
 
-def _gc_pauses(cluster) -> dict:
-    """The scheduler's garbage-collection pauses so far, from its ``/metrics``:
-    {generation: (seconds in total, longest single pause)}."""
+def _scheduler_samples(cluster) -> list:
+    """The samples of the scheduler's ``/metrics`` now (prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url = cluster.dashboard_link.replace("/status", "/metrics")
     with urllib.request.urlopen(url, timeout=30) as response:
         text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text)
+            for sample in family.samples]
+
+
+def _gc_pauses(cluster) -> dict:
+    """The scheduler's garbage-collection pauses so far, from its ``/metrics``:
+    {generation: (seconds in total, longest single pause)}."""
     total, longest = {}, {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "dcore_scheduler_gc_pause_seconds_total":
-                total[sample.labels["generation"]] = sample.value
-            elif sample.name == "dcore_scheduler_gc_pause_max_seconds":
-                longest[sample.labels["generation"]] = sample.value
+    for sample in _scheduler_samples(cluster):
+        if sample.name == "dcore_scheduler_gc_pause_seconds_total":
+            total[sample.labels["generation"]] = sample.value
+        elif sample.name == "dcore_scheduler_gc_pause_max_seconds":
+            longest[sample.labels["generation"]] = sample.value
     return {g: (total[g], longest[g]) for g in total}
 
 
