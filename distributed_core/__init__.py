@@ -64,6 +64,7 @@ TaskState = _core.TaskState
 WorkerState = _core.WorkerState
 ClientState = _core.ClientState
 TaskPrefix = _core.TaskPrefix
+TaskTable = _core.TaskTable
 SchedulerState = _core.SchedulerState
 InvalidTransition = _core.InvalidTransition
 InvariantError = _core.InvariantError
@@ -92,7 +93,8 @@ SKIPPED = _worker_core.SKIPPED
 
 __all__ = [
     "COMPILED", "CORE_FILE", "WORKER_CORE_FILE", "TaskState", "WorkerState", "ClientState",
-    "TaskPrefix", "SchedulerState", "InvalidTransition", "InvariantError", "InvalidStimulus",
+    "TaskPrefix", "TaskTable", "SchedulerState", "InvalidTransition", "InvariantError",
+    "InvalidStimulus",
     "Unauthorized", "GraphError", "TransitionLimitExceeded", "bounded_repr", "TASK_STATES",
     "key_prefix", "WorkerTask", "WorkerCore", "WORKER_TASK_STATES", "Execute", "Fetch",
     "SendMessage", "StoreData", "ReleaseData", "ReportHeld", "FINISHED", "ERRED", "SKIPPED",

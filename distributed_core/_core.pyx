@@ -801,6 +801,198 @@ def _check_new_task(key, entry: dict) -> None:
                          f"{bounded_repr(annotations)}")
 
 
+# TaskTable keeps tuple keys (a dask collection's chunks) in 2 ** _TABLE_SHARD_BITS
+# dicts, chunks next to each other (blocks of 2 ** _TABLE_BLOCK_BITS) in the same one.
+_TABLE_SHARD_BITS = cython.declare(cython.int, 8)
+_TABLE_BLOCK_BITS = cython.declare(cython.int, 10)
+_FIBONACCI = cython.declare(cython.ulonglong, 0x9E3779B97F4A7C15)
+_UINT64 = 0xFFFFFFFFFFFFFFFF
+_NO_ENTRIES: dict = {}  # what a TaskTable reads before it holds a chunk; never written
+
+
+@cython.final
+@cython.cclass
+class TaskTable:
+    """The tasks the scheduler holds, by key: read like a dict (``[key]``, ``get``,
+    ``in``, ``len``, iteration, ``keys``/``values``/``items``).
+
+    A dict grows by copying all its entries into a table twice the size, in one go:
+    at 700,000 tasks that held the scheduler 50-112 ms inside one update-graph, and
+    each doubling takes twice as long as the one before. The keys of a big graph are a
+    dask collection's chunks, tuples ``(name, ..., i)``: those go to 256 dicts, so that
+    a doubling copies about a 256th of them, and the dicts double at different moments.
+    Chunks next to each other (i in one block of 1,024) share a dict: a graph's tasks
+    arrive, run and leave in about that order, so lookups stay where the last ones
+    were (spread by the whole hash, a million random-key lookups cost 2-3 times as
+    much). Other keys (``submit`` and ``map``) stay in one dict: picked by their hash,
+    which has no such order, they made intake 30-40 % slower. Iteration: the other keys
+    in the order they came, then the chunks dict by dict.
+    """
+
+    _plain: dict  # keys that are not tuples
+    _chunks: list  # tuple keys' dicts; None until the first
+    _n: cython.Py_ssize_t
+
+    if not cython.compiled:
+        __slots__ = ("_plain", "_chunks", "_n")
+
+    def __init__(self):
+        self._plain = {}
+        self._chunks = None
+        self._n = 0
+
+    @cython.cfunc
+    @cython.inline
+    def _dict_of(self, key) -> dict:
+        """The dict that holds ``key`` if any (`_NO_ENTRIES` before the first chunk:
+        read it, never write it)."""
+        if type(key) is not tuple:
+            return self._plain
+        if self._chunks is None:
+            return _NO_ENTRIES
+        return self._chunks[_shard_of(key)]
+
+    # The core calls has / at / put / drop (C calls when compiled); the rest of the
+    # world reads it as a mapping.
+
+    @cython.ccall
+    def has(self, key) -> cython.bint:
+        """Whether ``key`` is in the table (``key in table``)."""
+        return key in self._dict_of(key)
+
+    @cython.ccall
+    def at(self, key):
+        """The task of ``key``; KeyError if none (``table[key]``)."""
+        return self._dict_of(key)[key]
+
+    @cython.ccall
+    def put(self, key, ts) -> None:
+        """Store ``ts`` under ``key`` (``table[key] = ts``)."""
+        if type(key) is tuple and self._chunks is None:
+            self._chunks = [{} for _ in range(1 << _TABLE_SHARD_BITS)]
+        table: dict = self._dict_of(key)
+        n: cython.Py_ssize_t = len(table)
+        table[key] = ts
+        self._n += len(table) - n
+
+    @cython.ccall
+    def drop(self, key) -> None:
+        """Remove ``key``; KeyError if it is not there (``del table[key]``)."""
+        del self._dict_of(key)[key]
+        self._n -= 1
+
+    def __len__(self) -> cython.Py_ssize_t:
+        return self._n
+
+    def __contains__(self, key) -> bool:
+        return self.has(key)
+
+    def __getitem__(self, key):
+        return self.at(key)
+
+    def __setitem__(self, key, ts) -> None:
+        self.put(key, ts)
+
+    def __delitem__(self, key) -> None:
+        self.drop(key)
+
+    @cython.ccall
+    def get(self, key, default=None):
+        """The task of ``key``, or ``default``."""
+        return self._dict_of(key).get(key, default)
+
+    @cython.ccall
+    def compact(self) -> None:
+        """Rebuild the dicts at their size now (a dict never shrinks by deletion)."""
+        self._plain = dict(self._plain)
+        if self._chunks is not None:
+            self._chunks = [dict(table) for table in self._chunks]
+
+    def __iter__(self):
+        if self._chunks is None:
+            return iter(self._plain)
+        return _chained_keys(self._plain, self._chunks)
+
+    def keys(self):
+        """The keys (a view of a dict until the first chunk; then an iterator)."""
+        if self._chunks is None:
+            return self._plain.keys()
+        return _chained_keys(self._plain, self._chunks)
+
+    def values(self):
+        """The tasks (a view of a dict until the first chunk; then an iterator)."""
+        if self._chunks is None:
+            return self._plain.values()
+        return _chained_values(self._plain, self._chunks)
+
+    def items(self):
+        """``(key, task)`` pairs (a view of a dict until the first chunk; then an
+        iterator)."""
+        if self._chunks is None:
+            return self._plain.items()
+        return _chained_items(self._plain, self._chunks)
+
+    def __eq__(self, other):
+        """Equal to a dict or another table (of either core) with the same items."""
+        if not isinstance(other, dict):
+            if type(other).__name__ != "TaskTable":
+                return NotImplemented
+            other = dict(other.items())
+        return len(other) == self._n and dict(self.items()) == other
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __repr__(self):
+        return f"<TaskTable of {self._n} tasks>"
+
+    def sizes(self) -> list:
+        """How many tasks each dict holds: the one of other keys first, then the
+        chunks' (none before the first chunk)."""
+        return [len(self._plain)] + ([len(t) for t in self._chunks] if self._chunks else [])
+
+
+@cython.cfunc
+@cython.inline
+def _shard_of(key: tuple) -> cython.Py_ssize_t:
+    """The dict of a tuple key: all its parts' hashes, the last one's (the chunk's
+    index, for dask) divided by the block size. Equal keys have equal parts, hence
+    equal part hashes: they always share a dict."""
+    h: cython.ulonglong
+    last: cython.Py_hash_t
+    n: cython.Py_ssize_t = len(key)
+    i: cython.Py_ssize_t
+    if n == 0:
+        return 0
+    last = hash(key[n - 1])
+    h = cython.cast(cython.ulonglong, last >> _TABLE_BLOCK_BITS)
+    for i in range(n - 1):
+        h = (h * 1_000_003) ^ cython.cast(cython.ulonglong, hash(key[i]))
+    # the top bits of h times _FIBONACCI (a dict picks slots by the bottom bits)
+    if cython.compiled:
+        return cython.cast(cython.Py_ssize_t, (h * _FIBONACCI) >> (64 - _TABLE_SHARD_BITS))
+    return ((h * _FIBONACCI) & _UINT64) >> (64 - _TABLE_SHARD_BITS)
+
+
+def _chained_keys(plain: dict, chunks: list):
+    yield from plain
+    for table in chunks:
+        yield from table
+
+
+def _chained_values(plain: dict, chunks: list):
+    yield from plain.values()
+    for table in chunks:
+        yield from table.values()
+
+
+def _chained_items(plain: dict, chunks: list):
+    yield from plain.items()
+    for table in chunks:
+        yield from table.items()
+
+
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
 @cython.final
 @cython.cclass
@@ -824,7 +1016,7 @@ class SchedulerState:
     tasks. Validation checks them against a walk after every stimulus.
     """
 
-    tasks: dict
+    tasks: TaskTable
     workers: dict
     departing: dict  # address -> WorkerState removed whose results are not all let go
     clients: dict
@@ -887,7 +1079,7 @@ class SchedulerState:
                  queue_horizon: float = 0.05, allowed_failures: int = 3, default_duration: float = 0.5,
                  transition_log_length: int = 10_000, clock=None,
                  max_transitions_per_stimulus=None, forget_slice=None):
-        self.tasks = {}
+        self.tasks = TaskTable()
         if not worker_saturation > 0:
             raise ValueError(f"worker_saturation must be positive, not {worker_saturation!r}")
         if max_transitions_per_stimulus is not None and (
@@ -1151,7 +1343,7 @@ class SchedulerState:
         cs = self._client(client)
         created = self._create_tasks(new)
         ts: TaskState
-        wanted = [self.tasks[key] for key in keys]
+        wanted = [self.tasks.at(key) for key in keys]
         wanted.sort(key=_priority_of, reverse=True)  # recommendations pop LIFO
         for ts in wanted:
             self._add_want(ts, cs)
@@ -2651,7 +2843,7 @@ class SchedulerState:
         per shrink by _SHRINK_FACTOR."""
         cs: ClientState
         ws: WorkerState
-        self.tasks = dict(self.tasks)
+        self.tasks.compact()
         self._tasks_peak = len(self.tasks)
         self.unrunnable = dict(self.unrunnable)
         for cs in self.clients.values():
@@ -3111,9 +3303,9 @@ class SchedulerState:
         ts.run_spec = None
         ts.error = None
         ts.state_id = _S_FORGOTTEN
-        del self.tasks[ts.key]
+        self.tasks.drop(ts.key)
         if not self.tasks:
-            self.tasks = {}  # a dict never shrinks: hand a big graph's table back
+            self.tasks = TaskTable()  # a dict never shrinks: hand a big graph's table back
         prefix: TaskPrefix = ts.prefix
         prefix.n_tasks -= 1
         if prefix.n_tasks == 0:
@@ -3747,14 +3939,14 @@ class SchedulerState:
             raise GraphError(f"'tasks' must be a list of task dicts, not {bounded_repr(tasks)}")
         if not isinstance(keys, _SEQUENCE):
             raise GraphError(f"'keys' must be a list of keys, not {bounded_repr(keys)}")
-        known = self.tasks
+        known: TaskTable = self.tasks
         position = {}
         entries = []
         i: cython.Py_ssize_t
         n: cython.Py_ssize_t
         for i, item in enumerate(tasks):
             key = _check_task_entry(i, item)
-            if key in known:
+            if known.has(key):
                 continue
             n = len(entries)
             if position.setdefault(key, n) != n:
@@ -3777,7 +3969,7 @@ class SchedulerState:
                     if problem is not None:
                         raise GraphError(f"task {bounded_repr(entry['key'])}: dependency "
                                          f"{problem}")
-                    if dep in known:
+                    if known.has(dep):
                         continue
                     raise GraphError(f"task {bounded_repr(entry['key'])} depends on unknown "
                                      f"key {bounded_repr(dep)}")
@@ -3787,7 +3979,7 @@ class SchedulerState:
             problem = _key_problem(key)
             if problem is not None:
                 raise GraphError(f"wanted {problem}")
-            if key not in known and key not in position:
+            if not known.has(key) and key not in position:
                 raise GraphError(f"wanted key {bounded_repr(key)} is not in the graph")
         return entries if in_order else _topological(entries, position, known)
 
@@ -3799,7 +3991,7 @@ class SchedulerState:
         layer: tuple
         generation: cython.Py_ssize_t = self.generation
         self.generation += 1
-        tasks = self.tasks
+        tasks: TaskTable = self.tasks
         created = []
         same_deps = None  # the last deps list, and its tuple: shared by tasks after it
         same_tuple: tuple = _NO_DEPENDENCIES
@@ -3829,7 +4021,7 @@ class SchedulerState:
                     same_deps = deps
                     if len(deps) > 1:
                         deps = dict.fromkeys(deps)
-                    same_tuple = tuple([tasks[d] for d in deps])
+                    same_tuple = tuple([tasks.at(d) for d in deps])
                     ts.dependencies = same_tuple
                 for dep in ts.dependencies:
                     dep.dependents = _with_dependent(dep.dependents, ts)
@@ -3842,7 +4034,7 @@ class SchedulerState:
                     dict(resources) if resources else None,
                     bool(workers) and bool(entry.get("allow_other_workers", False)),
                     annotations or None)
-            tasks[key] = ts
+            tasks.put(key, ts)
             self._count_new(prefix)
             created.append(ts)
         if len(tasks) > self._tasks_peak:
@@ -4123,14 +4315,14 @@ def _check(condition, message) -> None:
         raise InvariantError(message)
 
 
-def _topological(entries: list, position: dict, known: dict) -> list:
+def _topological(entries: list, position: dict, known: TaskTable) -> list:
     """Order new task entries so dependencies come first; refuse a cycle."""
     n = len(entries)
     pending = [0] * n
     dependents = [[] for _ in range(n)]
     for i in range(n):
         for dep in dict.fromkeys(entries[i].get("deps") or ()):
-            if dep not in known:
+            if not known.has(dep):
                 j = position[dep]
                 pending[i] += 1
                 dependents[j].append(i)

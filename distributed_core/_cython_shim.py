@@ -11,10 +11,15 @@ def _identity(obj):
 cclass = cfunc = ccall = final = inline = no_gc = _identity
 
 
+def cast(type_, value):
+    """``cython.cast(T, value)``: a C cast when compiled; the value itself here."""
+    return value
+
+
 def declare(type_=None, value=None, **kwargs):
     """``x = cython.declare(T, value)``: a typed (C) module variable when compiled."""
     return value
 
 
 # C types named in ``cython.declare(T, value)``: placeholders, only the value is used.
-int = ulonglong = None  # noqa: A001
+int = ulonglong = Py_ssize_t = Py_hash_t = None  # noqa: A001
