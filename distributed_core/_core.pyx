@@ -817,14 +817,14 @@ class TaskTable:
     ``in``, ``len``, iteration, ``keys``/``values``/``items``).
 
     A dict grows by copying all its entries into a table twice the size, in one go:
-    at 700,000 tasks that held the scheduler 50-112 ms inside one update-graph, and
+    at 700,000 tasks that held the scheduler 66-112 ms inside one update-graph, and
     each doubling takes twice as long as the one before. The keys of a big graph are a
     dask collection's chunks, tuples ``(name, ..., i)``: those go to 256 dicts, so that
     a doubling copies about a 256th of them, and the dicts double at different moments.
     Chunks next to each other (i in one block of 1,024) share a dict: a graph's tasks
     arrive, run and leave in about that order, so lookups stay where the last ones
-    were (spread by the whole hash, a million random-key lookups cost 2-3 times as
-    much). Other keys (``submit`` and ``map``) stay in one dict: picked by their hash,
+    were (spread by the whole hash, a million lookups in the order the keys came cost
+    2-3 times as much). Other keys (``submit`` and ``map``) stay in one dict: picked by their hash,
     which has no such order, they made intake 30-40 % slower. Iteration: the other keys
     in the order they came, then the chunks dict by dict.
     """
