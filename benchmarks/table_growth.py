@@ -4,15 +4,17 @@ No network and no real workers: the state machine (``distributed_core.SchedulerS
 garbage collector off, as the scheduler's own runs only between callbacks) takes a
 graph the way the server hands it over, two simulated 1-thread workers finish what they
 are sent, and every stimulus is timed. A stall here is one the probe of ``big_job.py``
-meets, without the noise of the sockets and the other processes. Two graphs:
+meets, without the noise of the sockets and the other processes. Three graphs:
 
 - ``dask``: the shape of ``(da.ones(N, chunks=1) + 1).sum()`` as dask optimizes it:
   N chunks with no inputs, then a tree reduction with 4 inputs a task (N + N/3 tasks),
   keys ``(name, i)`` and ``(name, level, i)``, sent in dask's order in slices of 4,000
   with each slice's frontier kept wanted until its dependents are sent, as
   ``dask_compute`` sends it; the workers finish about a slice between two slices.
-- ``map``: ``client.map`` of N no-op tasks with str keys, in batches of 2,000, then
-  gathered and released 1,000 keys a message.
+- ``map``: ``client.map`` of N no-op tasks, in batches of 2,000, then gathered and
+  released 1,000 keys a message; keys ``noop-<token>-<i>``, as the client makes them.
+- ``submit``: the same with keys ``noop-<uuid>`` (as N ``submit`` calls make them), which
+  have no index to keep neighbours together.
 
 Printed per graph: the seconds spent in each kind of stimulus, and every stimulus over
 ``--over`` ms with the number of tasks held when it ran.
@@ -143,7 +145,16 @@ def run_dask(n: int, over_ms: float) -> Run:
 
 
 def run_map(n: int, over_ms: float) -> Run:
-    keys = [f"noop-{uuid.uuid4()}" for _ in range(n)]
+    token = uuid.uuid4().hex
+    return run_flat([f"noop-{token}-{i}" for i in range(n)], over_ms)
+
+
+def run_submit(n: int, over_ms: float) -> Run:
+    return run_flat([f"noop-{uuid.uuid4().hex}" for _ in range(n)], over_ms)
+
+
+def run_flat(keys: list, over_ms: float) -> Run:
+    n = len(keys)
     run = Run(over_ms)
     spec = b"\x80" * 100
     for start in range(0, n, MAP_BATCH):
@@ -159,13 +170,14 @@ def run_map(n: int, over_ms: float) -> Run:
     return run
 
 
-GRAPHS = {"dask": run_dask, "map": run_map}
+GRAPHS = {"dask": run_dask, "map": run_map, "submit": run_submit}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("n", type=int, nargs="?", default=1_000_000, help="N (see above)")
-    parser.add_argument("--graphs", default="dask,map", help="dask, map or both")
+    parser.add_argument("--graphs", default="dask,map,submit",
+                        help="dask, map, submit: any of them, by commas (default all)")
     parser.add_argument("--over", type=float, default=25.0,
                         help="list the stimuli longer than this many ms (default 25)")
     args = parser.parse_args()

@@ -65,6 +65,7 @@ WorkerState = _core.WorkerState
 ClientState = _core.ClientState
 TaskPrefix = _core.TaskPrefix
 TaskTable = _core.TaskTable
+TaskSet = _core.TaskSet
 SchedulerState = _core.SchedulerState
 InvalidTransition = _core.InvalidTransition
 InvariantError = _core.InvariantError
@@ -93,7 +94,7 @@ SKIPPED = _worker_core.SKIPPED
 
 __all__ = [
     "COMPILED", "CORE_FILE", "WORKER_CORE_FILE", "TaskState", "WorkerState", "ClientState",
-    "TaskPrefix", "TaskTable", "SchedulerState", "InvalidTransition", "InvariantError",
+    "TaskPrefix", "TaskTable", "TaskSet", "SchedulerState", "InvalidTransition", "InvariantError",
     "InvalidStimulus",
     "Unauthorized", "GraphError", "TransitionLimitExceeded", "bounded_repr", "TASK_STATES",
     "key_prefix", "WorkerTask", "WorkerCore", "WORKER_TASK_STATES", "Execute", "Fetch",

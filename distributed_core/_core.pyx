@@ -188,6 +188,384 @@ class TransitionLimitExceeded(RuntimeError):
     recommendation loop, i.e. a bug in the state machine, not bad input."""
 
 
+# TaskTable keeps many str and tuple keys in 2 ** _TABLE_SHARD_BITS dicts, keys with
+# neighbouring indexes (blocks of 2 ** _TABLE_BLOCK_BITS) in the same one; TaskSet
+# keeps many tasks in as many dicts, by the block of memory they lie in.
+_TABLE_SHARD_BITS = cython.declare(cython.int, 8)
+_TABLE_BLOCK_BITS = cython.declare(cython.int, 10)
+#: A TaskTable or TaskSet of more tasks than this spreads them over its shards.
+_SET_SPLIT_AT = cython.declare(cython.Py_ssize_t, 16_384)
+#: Entries the scheduler's tables rebuild at most (about) at the end of one stimulus once
+#: they shrank (SchedulerState._shrink_tables): a shrink of a big graph's tables is spread.
+_SHRINK_STEP_ENTRIES = cython.declare(cython.Py_ssize_t, 32_768)
+_ADDRESS_BITS = cython.declare(cython.Py_hash_t, (1 << 60) - 1)  # of an identity hash
+_ADDRESS_BLOCK_BITS = cython.declare(cython.int, 10)  # of an identity hash: 16 KiB of memory
+_KEY_INDEX_DIGITS = cython.declare(cython.int, 18)  # a longer run of digits: the stem keeps the rest
+_KEY_STEM_CHARS = cython.declare(cython.int, 32)  # of a str key's stem, the last ones mixed
+_FIBONACCI = cython.declare(cython.ulonglong, 0x9E3779B97F4A7C15)
+_UINT64 = 0xFFFFFFFFFFFFFFFF
+_DIGITS = "0123456789"
+
+
+@cython.cclass
+class _Shards:
+    """What `TaskTable` and `TaskSet` share: one dict while they hold few entries, 256
+    dicts past _SET_SPLIT_AT (the subclass picks an entry's dict), and rebuilding the
+    dicts at their size now a few at a time (a dict never shrinks by deletion)."""
+
+    _one: dict  # every entry while few; once split, those no shard takes
+    _shards: list  # None until split
+    _n: cython.Py_ssize_t
+    _cursor: cython.Py_ssize_t  # the next dict a compaction rebuilds (0: _one); -1 if none
+
+    if not cython.compiled:
+        __slots__ = ("_one", "_shards", "_n", "_cursor")
+
+    def __init__(self):
+        self._one = {}
+        self._shards = None
+        self._n = 0
+        self._cursor = -1
+
+    @cython.ccall
+    def begin_compaction(self) -> None:
+        """Start rebuilding the dicts at their size now, a few at a time (`compact_some`);
+        back to one dict at once if the entries are few again."""
+        if self._shards is not None and self._n <= _SET_SPLIT_AT // 2:
+            merged: dict = dict(self._one)
+            for table in self._shards:
+                merged.update(table)
+            self._one = merged
+            self._shards = None
+        self._cursor = 0
+
+    @cython.ccall
+    def compact_some(self, budget: cython.Py_ssize_t) -> cython.Py_ssize_t:
+        """Go on with the compaction `begin_compaction` started: rebuild the next dicts
+        until about ``budget`` entries are rebuilt. Returns how many were (a dict counts
+        one more than it holds); 0 once the compaction is over."""
+        done: cython.Py_ssize_t = 0
+        last: cython.Py_ssize_t = 0 if self._shards is None else len(self._shards)
+        table: dict
+        while self._cursor >= 0 and done < budget:
+            if self._cursor == 0:
+                table = self._one
+                self._one = dict(table)
+            else:
+                table = self._shards[self._cursor - 1]
+                self._shards[self._cursor - 1] = dict(table)
+            done += len(table) + 1
+            self._cursor = -1 if self._cursor >= last else self._cursor + 1
+        return done
+
+    @cython.ccall
+    def compact(self) -> None:
+        """Rebuild every dict at its size now, in one go."""
+        self.begin_compaction()
+        while self.compact_some(_SHRINK_STEP_ENTRIES):
+            pass
+
+    def __len__(self) -> cython.Py_ssize_t:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def sizes(self) -> list:
+        """How many entries each dict holds: the one dict while few; once split, the
+        one of entries no shard takes first, then the 256 others."""
+        return [len(self._one)] + ([len(t) for t in self._shards] if self._shards else [])
+
+
+@cython.final
+@cython.cclass
+class TaskTable(_Shards):
+    """The tasks the scheduler holds, by key: read like a dict (``[key]``, ``get``,
+    ``in``, ``len``, iteration, ``keys``/``values``/``items``).
+
+    A dict grows by copying all its entries into a table twice the size, in one go:
+    at 700,000 tasks that held the scheduler 66-112 ms inside one update-graph, and
+    each doubling takes twice as long as the one before. So past 16,384 tasks the keys
+    go to 256 dicts: a doubling copies about a 256th of them, and the dicts double at
+    different moments. Fewer tasks stay in one dict, in the order they came.
+
+    A key's dict is picked by its stem and its index divided by 1,024: for a dask
+    chunk ``(name, ..., i)`` the other parts and ``i``; for a str key the trailing
+    digits are the index (``map``'s keys end in ``-<i>``) and the characters before them
+    the stem. Keys with neighbouring indexes (a block of 1,024) share a dict: a graph's
+    tasks arrive, run and leave in about that order, so lookups stay where the last
+    ones were (spread by the whole hash, a million lookups in the order the keys came
+    cost 2-3 times as much). Keys with no index are spread by their stem. Keys that
+    are neither str nor tuple stay in one dict of their own. Iteration: those, then the
+    dicts one by one, each in the order its keys came.
+    """
+
+    if not cython.compiled:
+        __slots__ = ()
+
+    @cython.cfunc
+    @cython.inline
+    def _dict_of(self, key) -> dict:
+        """The dict that holds ``key`` if any."""
+        if self._shards is None:
+            return self._one
+        if type(key) is str:
+            return self._shards[_shard_of_str(key)]
+        if type(key) is tuple:
+            return self._shards[_shard_of_tuple(key)]
+        return self._one
+
+    # The core calls has / at / put / drop (C calls when compiled); the rest of the
+    # world reads it as a mapping.
+
+    @cython.ccall
+    def has(self, key) -> cython.bint:
+        """Whether ``key`` is in the table (``key in table``)."""
+        return key in self._dict_of(key)
+
+    @cython.ccall
+    def at(self, key):
+        """The task of ``key``; KeyError if none (``table[key]``)."""
+        return self._dict_of(key)[key]
+
+    @cython.ccall
+    def put(self, key, ts) -> None:
+        """Store ``ts`` under ``key`` (``table[key] = ts``)."""
+        table: dict = self._dict_of(key)
+        n: cython.Py_ssize_t = len(table)
+        table[key] = ts
+        self._n += len(table) - n
+        if self._shards is None and self._n > _SET_SPLIT_AT:
+            self._split()
+
+    @cython.ccall
+    def drop(self, key) -> None:
+        """Remove ``key``; KeyError if it is not there (``del table[key]``)."""
+        del self._dict_of(key)[key]
+        self._n -= 1
+
+    @cython.cfunc
+    def _split(self) -> None:
+        every: dict = self._one
+        self._one = {}
+        self._shards = [{} for _ in range(1 << _TABLE_SHARD_BITS)]
+        for key, ts in every.items():
+            self._dict_of(key)[key] = ts
+
+    def __contains__(self, key) -> bool:
+        return self.has(key)
+
+    def __getitem__(self, key):
+        return self.at(key)
+
+    def __setitem__(self, key, ts) -> None:
+        self.put(key, ts)
+
+    def __delitem__(self, key) -> None:
+        self.drop(key)
+
+    @cython.ccall
+    def get(self, key, default=None):
+        """The task of ``key``, or ``default``."""
+        return self._dict_of(key).get(key, default)
+
+    def __iter__(self):
+        if self._shards is None:
+            return iter(self._one)
+        return _chained_keys(self._one, self._shards)
+
+    def keys(self):
+        """The keys (an iterator)."""
+        return iter(self)
+
+    def values(self):
+        """The tasks (an iterator)."""
+        if self._shards is None:
+            return iter(self._one.values())
+        return _chained_values(self._one, self._shards)
+
+    def items(self):
+        """``(key, task)`` pairs (an iterator)."""
+        if self._shards is None:
+            return iter(self._one.items())
+        return _chained_items(self._one, self._shards)
+
+    def __eq__(self, other):
+        """Equal to a dict or another table (of either core) with the same items."""
+        if not isinstance(other, dict):
+            if type(other).__name__ != "TaskTable":
+                return NotImplemented
+            other = dict(other.items())
+        return len(other) == self._n and dict(self.items()) == other
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __repr__(self):
+        return f"<TaskTable of {self._n} tasks>"
+
+
+@cython.final
+@cython.cclass
+class TaskSet(_Shards):
+    """A set of tasks (a client's wanted ones, a worker's results): ``add``,
+    ``discard``, ``in``, ``len``, iteration.
+
+    Few tasks are kept in one dict, in the order they came. Past 16,384 they go to 256
+    dicts, for the reason `TaskTable` does (a dict of a million doubles in one go), each
+    task to the dict of the block of memory it lies in: tasks made one after the other
+    (a graph's) lie together, so lookups in that order stay where the last ones were.
+    Iteration is then dict by dict, each in the order its tasks came.
+    """
+
+    if not cython.compiled:
+        __slots__ = ()
+
+    def __init__(self, tasks=()):
+        _Shards.__init__(self)
+        for ts in tasks:
+            self.add(ts)
+
+    @cython.cfunc
+    @cython.inline
+    def _dict_of(self, ts) -> dict:
+        if self._shards is None:
+            return self._one
+        return self._shards[_shard_of_object(ts)]
+
+    @cython.ccall
+    def add(self, ts) -> None:
+        """Add ``ts`` (nothing if it is in)."""
+        table: dict = self._dict_of(ts)
+        n: cython.Py_ssize_t = len(table)
+        table[ts] = None
+        self._n += len(table) - n
+        if self._shards is None and self._n > _SET_SPLIT_AT:
+            self._split()
+
+    @cython.ccall
+    def discard(self, ts) -> None:
+        """Remove ``ts`` if it is in."""
+        table: dict = self._dict_of(ts)
+        n: cython.Py_ssize_t = len(table)
+        table.pop(ts, None)
+        self._n -= n - len(table)
+
+    @cython.cfunc
+    def _split(self) -> None:
+        every: dict = self._one
+        self._one = {}
+        self._shards = [{} for _ in range(1 << _TABLE_SHARD_BITS)]
+        for ts in every:
+            self._shards[_shard_of_object(ts)][ts] = None
+
+    def __contains__(self, ts) -> bool:
+        return ts in self._dict_of(ts)
+
+    def __iter__(self):
+        if self._shards is None:
+            return iter(self._one)
+        return _chained_keys(self._one, self._shards)
+
+    def __repr__(self):
+        return f"<TaskSet of {self._n} tasks>"
+
+
+@cython.cfunc
+@cython.inline
+def _shard_of_object(obj) -> cython.Py_ssize_t:
+    """The dict of an object hashed by identity: its address (the hash is the address
+    rotated right by 4 bits) in blocks of 16 KiB."""
+    h: cython.Py_hash_t = hash(obj) & _ADDRESS_BITS
+    return _top_bits(cython.cast(cython.ulonglong, h) >> _ADDRESS_BLOCK_BITS)
+
+
+@cython.cfunc
+@cython.inline
+def _top_bits(h: cython.ulonglong) -> cython.Py_ssize_t:
+    """A shard from a mix of a key's parts: the top bits of h times _FIBONACCI (a dict
+    picks its slots by the bottom bits of the hash)."""
+    if cython.compiled:
+        return cython.cast(cython.Py_ssize_t, (h * _FIBONACCI) >> (64 - _TABLE_SHARD_BITS))
+    return ((h * _FIBONACCI) & _UINT64) >> (64 - _TABLE_SHARD_BITS)
+
+
+@cython.cfunc
+@cython.inline
+def _shard_of_tuple(key: tuple) -> cython.Py_ssize_t:
+    """The dict of a tuple key: all its parts' hashes, the last one's (the chunk's
+    index, for dask) divided by the block size. Equal keys have equal parts, hence
+    equal part hashes: they always share a dict."""
+    h: cython.ulonglong
+    last: cython.Py_hash_t
+    n: cython.Py_ssize_t = len(key)
+    i: cython.Py_ssize_t
+    if n == 0:
+        return 0
+    last = hash(key[n - 1])
+    h = cython.cast(cython.ulonglong, last >> _TABLE_BLOCK_BITS)
+    for i in range(n - 1):
+        h = (h * 1_000_003) ^ cython.cast(cython.ulonglong, hash(key[i]))
+    return _top_bits(h)
+
+
+@cython.cfunc
+@cython.inline
+def _shard_of_str(key: str) -> cython.Py_ssize_t:
+    """The dict of a str key: its trailing digits (at most _KEY_INDEX_DIGITS) read as an
+    index and divided by the block size, mixed with the last _KEY_STEM_CHARS characters
+    before them. A function of the characters alone: equal keys share a dict."""
+    n: cython.Py_ssize_t = len(key)
+    j: cython.Py_ssize_t = n
+    i: cython.Py_ssize_t
+    index: cython.ulonglong = 0
+    scale: cython.ulonglong = 1
+    digit: cython.long
+    h: cython.ulonglong
+    if not cython.compiled:
+        return _shard_of_str_interpreted(key)
+    while j > 0 and n - j < _KEY_INDEX_DIGITS:
+        digit = ord(key[j - 1]) - 48
+        if digit < 0 or digit > 9:
+            break
+        index += digit * scale
+        scale *= 10
+        j -= 1
+    h = index >> _TABLE_BLOCK_BITS
+    for i in range(j - _KEY_STEM_CHARS if j > _KEY_STEM_CHARS else 0, j):
+        h = (h * 1_000_003) ^ ord(key[i])
+    return _top_bits(h)
+
+
+def _shard_of_str_interpreted(key: str) -> int:
+    """`_shard_of_str` without the C loop: the stem's hash, not its characters, mixed
+    (which dict a key goes to may differ from the compiled core's; no one sees it)."""
+    stem = key.rstrip(_DIGITS)
+    if len(key) - len(stem) > _KEY_INDEX_DIGITS:
+        stem = key[:len(key) - _KEY_INDEX_DIGITS]
+    index = int(key[len(stem):]) if len(stem) < len(key) else 0
+    return _top_bits(((index >> _TABLE_BLOCK_BITS) ^ hash(stem[-_KEY_STEM_CHARS:])) & _UINT64)
+
+
+def _chained_keys(other: dict, shards: list):
+    yield from other
+    for table in shards:
+        yield from table
+
+
+def _chained_values(other: dict, shards: list):
+    yield from other.values()
+    for table in shards:
+        yield from table.values()
+
+
+def _chained_items(other: dict, shards: list):
+    yield from other.items()
+    for table in shards:
+        yield from table.items()
+
+
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
 @cython.final
 @cython.cclass
@@ -248,7 +626,7 @@ class ClientState:
     """A connected client and the tasks whose results it wants."""
 
     client_id: str
-    wants_what: set
+    wants_what: TaskSet
     alone: tuple  # (self,): the who_wants of every task only this client wants
 
     if not cython.compiled:
@@ -256,7 +634,7 @@ class ClientState:
 
     def __init__(self, client_id: str):
         self.client_id = client_id
-        self.wants_what = set()
+        self.wants_what = TaskSet()
         self.alone = (self,)
 
     def __repr__(self):
@@ -275,7 +653,7 @@ class WorkerState:
     slots: cython.Py_ssize_t  # tasks it may run at once before it counts as saturated
     resources: Optional[dict]
     processing: set
-    has_what: dict  # TaskState -> None, in the order it came to hold them
+    has_what: TaskSet  # its results
     nbytes: cython.Py_ssize_t
     occupancy: cython.double  # estimated seconds of work assigned and not yet finished
     status: str
@@ -304,7 +682,7 @@ class WorkerState:
         self.slots = nthreads
         self.resources = resources or None
         self.processing = set()
-        self.has_what = {}
+        self.has_what = TaskSet()
         self.nbytes = 0
         self.occupancy = 0.0
         self.status = WORKER_RUNNING
@@ -801,198 +1179,6 @@ def _check_new_task(key, entry: dict) -> None:
                          f"{bounded_repr(annotations)}")
 
 
-# TaskTable keeps tuple keys (a dask collection's chunks) in 2 ** _TABLE_SHARD_BITS
-# dicts, chunks next to each other (blocks of 2 ** _TABLE_BLOCK_BITS) in the same one.
-_TABLE_SHARD_BITS = cython.declare(cython.int, 8)
-_TABLE_BLOCK_BITS = cython.declare(cython.int, 10)
-_FIBONACCI = cython.declare(cython.ulonglong, 0x9E3779B97F4A7C15)
-_UINT64 = 0xFFFFFFFFFFFFFFFF
-_NO_ENTRIES: dict = {}  # what a TaskTable reads before it holds a chunk; never written
-
-
-@cython.final
-@cython.cclass
-class TaskTable:
-    """The tasks the scheduler holds, by key: read like a dict (``[key]``, ``get``,
-    ``in``, ``len``, iteration, ``keys``/``values``/``items``).
-
-    A dict grows by copying all its entries into a table twice the size, in one go:
-    at 700,000 tasks that held the scheduler 66-112 ms inside one update-graph, and
-    each doubling takes twice as long as the one before. The keys of a big graph are a
-    dask collection's chunks, tuples ``(name, ..., i)``: those go to 256 dicts, so that
-    a doubling copies about a 256th of them, and the dicts double at different moments.
-    Chunks next to each other (i in one block of 1,024) share a dict: a graph's tasks
-    arrive, run and leave in about that order, so lookups stay where the last ones
-    were (spread by the whole hash, a million lookups in the order the keys came cost
-    2-3 times as much). Other keys (``submit`` and ``map``) stay in one dict: picked by their hash,
-    which has no such order, they made intake 30-40 % slower. Iteration: the other keys
-    in the order they came, then the chunks dict by dict.
-    """
-
-    _plain: dict  # keys that are not tuples
-    _chunks: list  # tuple keys' dicts; None until the first
-    _n: cython.Py_ssize_t
-
-    if not cython.compiled:
-        __slots__ = ("_plain", "_chunks", "_n")
-
-    def __init__(self):
-        self._plain = {}
-        self._chunks = None
-        self._n = 0
-
-    @cython.cfunc
-    @cython.inline
-    def _dict_of(self, key) -> dict:
-        """The dict that holds ``key`` if any (`_NO_ENTRIES` before the first chunk:
-        read it, never write it)."""
-        if type(key) is not tuple:
-            return self._plain
-        if self._chunks is None:
-            return _NO_ENTRIES
-        return self._chunks[_shard_of(key)]
-
-    # The core calls has / at / put / drop (C calls when compiled); the rest of the
-    # world reads it as a mapping.
-
-    @cython.ccall
-    def has(self, key) -> cython.bint:
-        """Whether ``key`` is in the table (``key in table``)."""
-        return key in self._dict_of(key)
-
-    @cython.ccall
-    def at(self, key):
-        """The task of ``key``; KeyError if none (``table[key]``)."""
-        return self._dict_of(key)[key]
-
-    @cython.ccall
-    def put(self, key, ts) -> None:
-        """Store ``ts`` under ``key`` (``table[key] = ts``)."""
-        if type(key) is tuple and self._chunks is None:
-            self._chunks = [{} for _ in range(1 << _TABLE_SHARD_BITS)]
-        table: dict = self._dict_of(key)
-        n: cython.Py_ssize_t = len(table)
-        table[key] = ts
-        self._n += len(table) - n
-
-    @cython.ccall
-    def drop(self, key) -> None:
-        """Remove ``key``; KeyError if it is not there (``del table[key]``)."""
-        del self._dict_of(key)[key]
-        self._n -= 1
-
-    def __len__(self) -> cython.Py_ssize_t:
-        return self._n
-
-    def __contains__(self, key) -> bool:
-        return self.has(key)
-
-    def __getitem__(self, key):
-        return self.at(key)
-
-    def __setitem__(self, key, ts) -> None:
-        self.put(key, ts)
-
-    def __delitem__(self, key) -> None:
-        self.drop(key)
-
-    @cython.ccall
-    def get(self, key, default=None):
-        """The task of ``key``, or ``default``."""
-        return self._dict_of(key).get(key, default)
-
-    @cython.ccall
-    def compact(self) -> None:
-        """Rebuild the dicts at their size now (a dict never shrinks by deletion)."""
-        self._plain = dict(self._plain)
-        if self._chunks is not None:
-            self._chunks = [dict(table) for table in self._chunks]
-
-    def __iter__(self):
-        if self._chunks is None:
-            return iter(self._plain)
-        return _chained_keys(self._plain, self._chunks)
-
-    def keys(self):
-        """The keys (a view of a dict until the first chunk; then an iterator)."""
-        if self._chunks is None:
-            return self._plain.keys()
-        return _chained_keys(self._plain, self._chunks)
-
-    def values(self):
-        """The tasks (a view of a dict until the first chunk; then an iterator)."""
-        if self._chunks is None:
-            return self._plain.values()
-        return _chained_values(self._plain, self._chunks)
-
-    def items(self):
-        """``(key, task)`` pairs (a view of a dict until the first chunk; then an
-        iterator)."""
-        if self._chunks is None:
-            return self._plain.items()
-        return _chained_items(self._plain, self._chunks)
-
-    def __eq__(self, other):
-        """Equal to a dict or another table (of either core) with the same items."""
-        if not isinstance(other, dict):
-            if type(other).__name__ != "TaskTable":
-                return NotImplemented
-            other = dict(other.items())
-        return len(other) == self._n and dict(self.items()) == other
-
-    def __ne__(self, other):
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    def __repr__(self):
-        return f"<TaskTable of {self._n} tasks>"
-
-    def sizes(self) -> list:
-        """How many tasks each dict holds: the one of other keys first, then the
-        chunks' (none before the first chunk)."""
-        return [len(self._plain)] + ([len(t) for t in self._chunks] if self._chunks else [])
-
-
-@cython.cfunc
-@cython.inline
-def _shard_of(key: tuple) -> cython.Py_ssize_t:
-    """The dict of a tuple key: all its parts' hashes, the last one's (the chunk's
-    index, for dask) divided by the block size. Equal keys have equal parts, hence
-    equal part hashes: they always share a dict."""
-    h: cython.ulonglong
-    last: cython.Py_hash_t
-    n: cython.Py_ssize_t = len(key)
-    i: cython.Py_ssize_t
-    if n == 0:
-        return 0
-    last = hash(key[n - 1])
-    h = cython.cast(cython.ulonglong, last >> _TABLE_BLOCK_BITS)
-    for i in range(n - 1):
-        h = (h * 1_000_003) ^ cython.cast(cython.ulonglong, hash(key[i]))
-    # the top bits of h times _FIBONACCI (a dict picks slots by the bottom bits)
-    if cython.compiled:
-        return cython.cast(cython.Py_ssize_t, (h * _FIBONACCI) >> (64 - _TABLE_SHARD_BITS))
-    return ((h * _FIBONACCI) & _UINT64) >> (64 - _TABLE_SHARD_BITS)
-
-
-def _chained_keys(plain: dict, chunks: list):
-    yield from plain
-    for table in chunks:
-        yield from table
-
-
-def _chained_values(plain: dict, chunks: list):
-    yield from plain.values()
-    for table in chunks:
-        yield from table.values()
-
-
-def _chained_items(plain: dict, chunks: list):
-    yield from plain.items()
-    for table in chunks:
-        yield from table.items()
-
-
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
 @cython.final
 @cython.cclass
@@ -1046,6 +1232,7 @@ class SchedulerState:
     _active_prefixes: dict  # name -> TaskPrefix that has tasks held
     _durations: dict  # name -> (duration_average, n_durations) of a dropped prefix; bounded
     _tasks_peak: cython.Py_ssize_t  # most tasks held since the tables were last rebuilt
+    _shrinking: list  # the task tables and sets a shrink is still rebuilding (_shrink_step)
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     _idle_since: cython.double  # the clock when the last task to run left; -1: work now
     forget_slice: cython.Py_ssize_t  # most tasks one stimulus forgets; 0: no limit
@@ -1126,6 +1313,7 @@ class SchedulerState:
         self._active_prefixes = {}
         self._durations = {}
         self._tasks_peak = 0
+        self._shrinking = []
         self.generation = 0
         self.queue_seq = 0
         self.queue_picks = 0
@@ -1278,7 +1466,7 @@ class SchedulerState:
             needed = [ts for ts in ws.has_what
                       if ts.dependents is not None and _needed_by_active(ts)]
             for ts in needed:
-                del ws.has_what[ts]
+                ws.has_what.discard(ts)
             self._let_go(ws, needed)
         self._let_go_of_results(ws, max_keys)
         return self._end()
@@ -1290,7 +1478,7 @@ class SchedulerState:
         ts: TaskState
         if max_keys is None or len(ws.has_what) <= max_keys:
             batch = ws.has_what
-            ws.has_what = {}
+            ws.has_what = TaskSet()
         else:
             batch = []
             for ts in ws.has_what:
@@ -1298,7 +1486,7 @@ class SchedulerState:
                 if len(batch) >= max_keys:
                     break
             for ts in batch:
-                del ws.has_what[ts]
+                ws.has_what.discard(ts)
         self._let_go(ws, batch)
 
     @cython.cfunc
@@ -2839,20 +3027,39 @@ class SchedulerState:
     def _shrink_tables(self) -> None:
         """Most of what a big graph brought is forgotten: rebuild the tables it grew at
         their size now (a dict or set never shrinks by deletion; what it held stays
-        mapped), so that the memory goes back with the tasks. O(tasks left), done once
-        per shrink by _SHRINK_FACTOR."""
+        mapped), so that the memory goes back with the tasks. O(tasks left), once per
+        shrink by _SHRINK_FACTOR: the task tables and sets a few dicts per stimulus
+        (`_shrink_step`), the others at once."""
         cs: ClientState
         ws: WorkerState
-        self.tasks.compact()
         self._tasks_peak = len(self.tasks)
         self.unrunnable = dict(self.unrunnable)
+        shrinking = [self.tasks]
         for cs in self.clients.values():
-            cs.wants_what = set(cs.wants_what)
+            shrinking.append(cs.wants_what)
         for ws in self.workers.values():
-            ws.has_what = dict(ws.has_what)
+            shrinking.append(ws.has_what)
             ws.processing = set(ws.processing)
         for ws in self.departing.values():
-            ws.has_what = dict(ws.has_what)
+            shrinking.append(ws.has_what)
+        table: _Shards
+        for table in shrinking:
+            table.begin_compaction()
+        self._shrinking = shrinking
+
+    @cython.cfunc
+    def _shrink_step(self) -> None:
+        """Rebuild about _SHRINK_STEP_ENTRIES entries' worth of the tables that
+        `_shrink_tables` began to rebuild."""
+        budget: cython.Py_ssize_t = _SHRINK_STEP_ENTRIES
+        n: cython.Py_ssize_t
+        table: _Shards
+        while self._shrinking and budget > 0:
+            table = self._shrinking[-1]
+            n = table.compact_some(budget)
+            if n == 0:
+                self._shrinking.pop()
+            budget -= n
 
     @cython.cfunc
     def _n_held(self) -> cython.Py_ssize_t:
@@ -2880,6 +3087,8 @@ class SchedulerState:
             self._idle_since = -1.0
         elif self._idle_since < 0:
             self._idle_since = self._now
+        if self._shrinking:
+            self._shrink_step()
         if self._tasks_peak >= _SHRINK_MIN \
                 and len(self.tasks) * _SHRINK_FACTOR < self._tasks_peak:
             self._shrink_tables()
@@ -3275,7 +3484,7 @@ class SchedulerState:
         dts: TaskState
         if ts.who_has is not None:
             for ws in ts.who_has:
-                ws.has_what.pop(ts, None)
+                ws.has_what.discard(ts)
                 ws.nbytes -= ts.nbytes
                 self._free_key(ws, ts.key)
             ts.who_has = None
@@ -3481,13 +3690,13 @@ class SchedulerState:
         if ts.who_has is None:
             ts.nbytes = nbytes
         ts.who_has = _tuple_with(ts.who_has, ws, ws.alone)
-        ws.has_what[ts] = None
+        ws.has_what.add(ts)
         ws.nbytes += ts.nbytes
 
     @cython.cfunc
     def _remove_holder(self, ts: TaskState, ws: WorkerState) -> None:
         ts.who_has = _tuple_without(ts.who_has, ws)
-        ws.has_what.pop(ts, None)
+        ws.has_what.discard(ts)
         ws.nbytes -= ts.nbytes
 
     @cython.cfunc

@@ -320,6 +320,11 @@ class MapEncoder:
     def tasks(self, keys: list | None) -> list[dict]:
         """One task dict per row, in order (``keys``: the caller's keys, or None)."""
         columns, kwargs, encoder = self.columns, self.kwargs, self.encoder
+        if keys is None and not encoder.pure:
+            # one token per map, then the index: the scheduler keeps neighbouring
+            # indexes together (distributed_core.TaskTable)
+            token = uuid.uuid4().hex
+            keys = [f"{encoder.prefix}-{token}-{i}" for i in range(self.n)]
         if not self._fast():
             rows = zip(*columns)
             if keys is None:
@@ -329,7 +334,6 @@ class MapEncoder:
         head, head_hash, prefix = encoder.head, encoder.head_hash, encoder.prefix
         deps = list(encoder.shared_deps)
         options = encoder.options
-        pure = encoder.pure and keys is None
         dumps, limit = pickle.dumps, SPEC_BLOB_BYTES
         out = []
         append = out.append
@@ -338,12 +342,10 @@ class MapEncoder:
             spec = head + body
             if keys is not None:
                 key = keys[i]
-            elif pure:
+            else:
                 digest = head_hash.copy()
                 digest.update(body)
                 key = f"{prefix}-{digest.hexdigest()}"
-            else:
-                key = f"{prefix}-{uuid.uuid4().hex}"
             task = {"key": key, "spec": spec if len(spec) <= limit else Blob(spec)}
             if deps:
                 task["deps"] = deps

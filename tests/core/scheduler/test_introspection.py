@@ -102,7 +102,7 @@ def break_client_wants(state):
 
 
 def break_holders(state):
-    state.workers["A"].has_what.pop(state.tasks["x"])
+    state.workers["A"].has_what.discard(state.tasks["x"])
 
 
 CORRUPTIONS = [break_worker_bytes, break_waiter_count, break_task_state, break_queue_count,
