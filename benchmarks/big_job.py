@@ -5,7 +5,10 @@ client process, the probe, makes O(1) round trips to the scheduler (``who_has([]
 every 10 ms. Each round trip is counted in the phase it started in. Printed: the probe's
 worst and 99th-percentile wait per phase, how long each phase took, the scheduler's RSS
 (at the start, its peak in each phase, at the end) and the caller's CPU per task of
-intake. The target (issue 25) is a worst wait under 100 ms in every phase.
+intake. The target (issue 25) is a worst wait under 100 ms in every phase. The map also
+prints its figures beside issue 25's target 2: when the first task was done, how much the
+scheduler grew per task in flight and the client per future held, and the scheduler's
+RSS 5 s after the release against its RSS before the map.
 
 Jobs (``--jobs``, all by default):
 
@@ -52,6 +55,14 @@ from release_stall import (  # noqa: E402
 from distributed_server import Client, Event, LocalCluster, wait  # noqa: E402
 
 TARGET_WORST_MS = 100.0
+#: Issue 25's target 2, for the map: bytes per task the scheduler may grow by while the
+#: tasks are in flight, bytes per future the client may hold, and how far above its start
+#: the scheduler's RSS may stay after the release.
+TARGET_SCHEDULER_BYTES = 600
+TARGET_CLIENT_BYTES = 400
+TARGET_RSS_ABOVE_START = 0.10
+#: Seconds after the release before the scheduler's RSS is read.
+RSS_SETTLE_S = 5.0
 #: Seconds between the probe's requests.
 PROBE_INTERVAL = 0.01
 
@@ -129,15 +140,23 @@ def _cpu() -> float:
 
 
 def job_map(client, cluster, phases: Phases, n: int) -> dict:
-    """Intake, run, gather and release of a map of ``n`` no-op tasks."""
-    phases.begin("map: intake")
+    """Intake, run, gather and release of a map of ``n`` no-op tasks; with issue 25's
+    target-2 figures: when the first task was done, the client's and the scheduler's
+    bytes per task held, and the scheduler's RSS after the release."""
+    me = psutil.Process()
+    client_before = me.memory_info().rss
+    scheduler_before = phases.process.memory_info().rss
+    first = FirstDone(cluster)
+    began = phases.begin("map: intake")
     cpu = _cpu()
     futures = client.map(noop, range(n), pure=False)
     cpu = _cpu() - cpu
     phases.end()
+    client_held = me.memory_info().rss - client_before
     phases.begin("map: run")
     wait(futures)
     phases.end()
+    scheduler_peak = max(phases.peak["map: intake"], phases.peak["map: run"])
     phases.begin("map: gather")
     results = client.gather(futures)
     phases.end()
@@ -146,7 +165,33 @@ def job_map(client, cluster, phases: Phases, n: int) -> dict:
     del futures, results
     _until_empty(cluster)
     phases.end()
-    return {"map_intake_caller_cpu_us_per_task": 1e6 * cpu / n}
+    time.sleep(RSS_SETTLE_S)
+    return {"map_intake_caller_cpu_us_per_task": 1e6 * cpu / n,
+            "map_first_task_done_s": first.seen() - began,
+            "map_client_bytes_per_future": client_held / n,
+            "map_scheduler_bytes_per_task": (scheduler_peak - scheduler_before) / n,
+            "map_scheduler_rss_before_mib": scheduler_before / 2**20,
+            "map_scheduler_rss_after_release_mib": phases.process.memory_info().rss / 2**20}
+
+
+class FirstDone:
+    """Polls the scheduler from a thread (every 50 ms) until a task is in memory: when."""
+
+    def __init__(self, cluster) -> None:
+        self._cluster = cluster
+        self._at: float | None = None
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while self._cluster.scheduler_info()["task_counts"].get("memory", 0) == 0:
+            time.sleep(0.05)
+        self._at = time.time()
+
+    def seen(self) -> float:
+        """The wall-clock time the first task was seen in memory."""
+        self._thread.join()
+        return self._at
 
 
 def job_dask(client, cluster, phases: Phases, n: int) -> dict:
@@ -299,10 +344,35 @@ def report(result: dict) -> str:
     for key in ("map_intake_caller_cpu_us_per_task", "dask_intake_caller_cpu_us_per_task"):
         if key in result:
             lines.append(f"{key.replace('_', ' ')}: {result[key]:.2f}")
+    if "map_first_task_done_s" in result:
+        lines.extend(_map_targets(result))
     if "next_round_trip_s" in result:
         lines.append(f"cancel of {result['cancelled']:,} pending futures: next round trip "
                      f"{1e3 * result['next_round_trip_s']:.0f} ms (target < 1,000 ms)")
     return "\n".join(lines)
+
+
+def _map_targets(result: dict) -> list[str]:
+    """The map's figures beside issue 25's target 2."""
+    def verdict(met: bool) -> str:
+        return "met" if met else "MISSED"
+
+    scheduler = result["map_scheduler_bytes_per_task"]
+    client = result["map_client_bytes_per_future"]
+    before = result["map_scheduler_rss_before_mib"]
+    after = result["map_scheduler_rss_after_release_mib"]
+    above = after / before - 1
+    return [
+        f"map: first task done {result['map_first_task_done_s']:.2f} s after map() began",
+        f"map: scheduler grew {scheduler:,.0f} B per task in flight (peak RSS of intake and "
+        f"run - RSS before; target <= {TARGET_SCHEDULER_BYTES}): "
+        f"{verdict(scheduler <= TARGET_SCHEDULER_BYTES)}",
+        f"map: client grew {client:,.0f} B per future held (RSS after map() - before; target "
+        f"<= {TARGET_CLIENT_BYTES}): {verdict(client <= TARGET_CLIENT_BYTES)}",
+        f"map: scheduler RSS {RSS_SETTLE_S:.0f} s after the release {after:.0f} MiB, "
+        f"{100 * above:+.0f} % of {before:.0f} MiB before the map (target <= "
+        f"+{100 * TARGET_RSS_ABOVE_START:.0f} %): {verdict(above <= TARGET_RSS_ABOVE_START)}",
+    ]
 
 
 def main(argv=None) -> int:

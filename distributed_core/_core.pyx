@@ -201,7 +201,7 @@ _SHRINK_STEP_ENTRIES = cython.declare(cython.Py_ssize_t, 32_768)
 _ADDRESS_BITS = cython.declare(cython.Py_hash_t, (1 << 60) - 1)  # of an identity hash
 _ADDRESS_BLOCK_BITS = cython.declare(cython.int, 10)  # of an identity hash: 16 KiB of memory
 _KEY_INDEX_DIGITS = cython.declare(cython.int, 18)  # a longer run of digits: the stem keeps the rest
-_KEY_STEM_CHARS = cython.declare(cython.int, 32)  # of a str key's stem, the last ones mixed
+_KEY_STEM_CHARS = cython.declare(cython.int, 12)  # of a str key's stem, the last ones mixed
 _FIBONACCI = cython.declare(cython.ulonglong, 0x9E3779B97F4A7C15)
 _UINT64 = 0xFFFFFFFFFFFFFFFF
 _DIGITS = "0123456789"
@@ -290,14 +290,14 @@ class TaskTable(_Shards):
     different moments. Fewer tasks stay in one dict, in the order they came.
 
     A key's dict is picked by its stem and its index divided by 1,024: for a dask
-    chunk ``(name, ..., i)`` the other parts and ``i``; for a str key the trailing
-    digits are the index (``map``'s keys end in ``-<i>``) and the characters before them
-    the stem. Keys with neighbouring indexes (a block of 1,024) share a dict: a graph's
-    tasks arrive, run and leave in about that order, so lookups stay where the last
-    ones were (spread by the whole hash, a million lookups in the order the keys came
-    cost 2-3 times as much). Keys with no index are spread by their stem. Keys that
-    are neither str nor tuple stay in one dict of their own. Iteration: those, then the
-    dicts one by one, each in the order its keys came.
+    chunk ``(name, ..., i)`` the other parts and ``i``; for a str key that ends in
+    digits after a ``-`` or ``_`` (``map``'s keys end in ``-<i>``) those digits and the
+    12 characters before them. Keys with neighbouring indexes (a block of 1,024) share
+    a dict: a graph's tasks arrive, run and leave in about that order, so lookups stay
+    where the last ones were (spread by the whole hash, a million lookups in the order
+    the keys came cost 2-3 times as much). Other str keys are spread by their hash.
+    Keys that are neither str nor tuple stay in one dict of their own. Iteration:
+    those, then the dicts one by one, each in the order its keys came.
     """
 
     if not cython.compiled:
@@ -513,9 +513,10 @@ def _shard_of_tuple(key: tuple) -> cython.Py_ssize_t:
 @cython.cfunc
 @cython.inline
 def _shard_of_str(key: str) -> cython.Py_ssize_t:
-    """The dict of a str key: its trailing digits (at most _KEY_INDEX_DIGITS) read as an
-    index and divided by the block size, mixed with the last _KEY_STEM_CHARS characters
-    before them. A function of the characters alone: equal keys share a dict."""
+    """The dict of a str key. A key that ends in an index (digits after a ``-`` or a
+    ``_``, at most _KEY_INDEX_DIGITS of them): the index divided by the block size,
+    mixed with the _KEY_STEM_CHARS characters before it. Any other key: its hash (cached
+    in the str). A function of the characters alone: equal keys share a dict."""
     n: cython.Py_ssize_t = len(key)
     j: cython.Py_ssize_t = n
     i: cython.Py_ssize_t
@@ -532,6 +533,8 @@ def _shard_of_str(key: str) -> cython.Py_ssize_t:
         index += digit * scale
         scale *= 10
         j -= 1
+    if j == n or j == 0 or (key[j - 1] != "-" and key[j - 1] != "_"):
+        return _top_bits(cython.cast(cython.ulonglong, hash(key)))
     h = index >> _TABLE_BLOCK_BITS
     for i in range(j - _KEY_STEM_CHARS if j > _KEY_STEM_CHARS else 0, j):
         h = (h * 1_000_003) ^ ord(key[i])
@@ -544,7 +547,9 @@ def _shard_of_str_interpreted(key: str) -> int:
     stem = key.rstrip(_DIGITS)
     if len(key) - len(stem) > _KEY_INDEX_DIGITS:
         stem = key[:len(key) - _KEY_INDEX_DIGITS]
-    index = int(key[len(stem):]) if len(stem) < len(key) else 0
+    if len(stem) == len(key) or stem[-1:] not in ("-", "_"):
+        return _top_bits(hash(key) & _UINT64)
+    index = int(key[len(stem):])
     return _top_bits(((index >> _TABLE_BLOCK_BITS) ^ hash(stem[-_KEY_STEM_CHARS:])) & _UINT64)
 
 
