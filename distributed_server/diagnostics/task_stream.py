@@ -2,32 +2,57 @@
 
 The scheduler records one entry per task outcome it accepted from a worker's report:
 ``(key, worker, start, stop, ok)``, with the worker's own clock readings of when the
-task began and ended. Recording is one tuple per task, written with its batch by one
-slice assignment (about 0.2 us a task: benchmarks/dashboard_cost.py), nothing else.
+task began and ended. Entry number ``seq`` is its position since the scheduler started;
+the newest ``maxlen`` entries are held, so a long run costs a fixed amount of memory, and
+any held entry is found in O(1).
 
-Entries live in a ring: a list of ``maxlen`` slots and a running count ``total`` of
-entries recorded. Entry number ``seq`` (its position since the scheduler started) sits
-in slot ``seq % maxlen`` until ``maxlen`` newer entries overwrite it, so a long run costs
-a fixed amount of memory and any held entry is found in O(1) (a deque would index in
-O(n)). Everything that checks or converts an entry happens when it is read, and a read
-touches only the entries it returns: a page that samples 100 of the last 100,000 reads
-100 slots.
+How entries are held matters more than what they cost to write. A report's key and
+times are small objects made while the run goes on, and each one kept for long sits in
+an allocator arena among the run's freed tasks: kept one by one, the last 100,000
+entries of a million-task map held 540 of the scheduler's 1 MiB arenas (566 MB of RSS,
+44 MB of it in use) after every task was released. So the newest entries are kept as the
+reports themselves (no copy is made when they arrive), and every `CHUNK` of them are
+packed into a few large buffers: the keys in one msgpack blob, the start and stop times
+in one buffer of doubles, the outcomes in one of bytes, the workers in one tuple.
+Large buffers come from the C heap, not the arenas, and leave nothing behind when they
+are dropped. `pack` packs what is still open (the scheduler calls it before it gives
+memory back after a big release). Recording costs about what one tuple a task did
+(benchmarks/dashboard_cost.py).
+
+Everything that checks or converts an entry happens when it is read, and a read touches
+only the entries it returns (and unpacks the keys of the chunks they are in): a page that
+samples 100 of the last 100,000 unpacks at most 100 chunks.
 
 A reader that polls asks for what came after the last number it saw and never gets an
 entry twice.
 
-What it never does: walk the scheduler's tasks, keep anything beyond ``maxlen``
-entries, or trust a report's times (a worker is a member, but its clock may be off or
-its figures odd: a time that is not a finite number is dropped from what readers see).
+What it never does: walk the scheduler's tasks, keep anything beyond ``maxlen`` entries
+(and the chunk they are in), or trust a report's times (a worker is a member, but its
+clock may be off or its figures odd: a time that is not a finite number is dropped from
+what readers see).
 """
 from __future__ import annotations
 
 import math
+from array import array
+from itertools import repeat
+from operator import itemgetter
+
+import msgpack
 
 __all__ = ["TaskStream", "TaskStreamEntry"]
 
-#: Entries kept by default (about 100 bytes each, keys not counted).
+#: Entries kept by default.
 DEFAULT_MAXLEN = 100_000
+#: Entries packed together.
+CHUNK = 1024
+
+_KEY = itemgetter("key")
+_START = itemgetter("start")
+_STOP = itemgetter("stop")
+#: Stands for an entry that was never kept (older than the stream reaches).
+_GONE: dict = {}
+_NAN = float("nan")
 
 
 class TaskStreamEntry(tuple):
@@ -46,15 +71,25 @@ class TaskStream:
 
     ``record(worker, reports, ok)`` is the scheduler's one call per accepted batch of
     ``task-finished`` (``ok=True``) or ``task-erred`` reports; ``after(seq)`` and
-    ``window(start, stop)`` read.
+    ``window(start, stop)`` read; ``pack()`` packs the entries still open.
     """
 
     def __init__(self, maxlen: int = DEFAULT_MAXLEN) -> None:
         if type(maxlen) is not int or maxlen < 1:
             raise ValueError(f"maxlen must be a positive int, not {maxlen!r}")
         self.maxlen = maxlen
-        #: The ring: entry number ``seq`` is in slot ``seq % maxlen`` while it is held.
-        self._slots: list = [None] * maxlen
+        self.chunk = min(CHUNK, maxlen)
+        #: Chunk ``c`` (entries ``c * chunk`` on) is in slot ``c % slots`` while held.
+        self._slots = -(-maxlen // self.chunk) + 1
+        self._keys: list = [None] * self._slots  # msgpack blob (or a tuple if not packable)
+        self._workers: list = [None] * self._slots  # tuple of addresses
+        self._times: list = [None] * self._slots  # n starts then n stops, as doubles
+        self._ok: list = [None] * self._slots  # n bytes of 0 or 1
+        #: Open entries, numbered ``_base`` on: the reports as they came.
+        self._base = 0
+        self._reports: list = []
+        self._open_workers: list = []
+        self._open_ok = bytearray()
         #: Entries recorded since the start (the next entry's sequence number).
         self.total = 0
 
@@ -67,22 +102,77 @@ class TaskStream:
         return max(self.total - self.maxlen, 0)
 
     def record(self, worker: str, reports: list, ok: bool) -> None:
-        """Remember the outcome of every report of this batch (one slot each)."""
-        maxlen = self.maxlen
-        new = [(msg.get("key"), worker, msg.get("start"), msg.get("stop"), ok)
-               for msg in reports[-maxlen:]]  # a batch over maxlen: its newest
-        slot = (self.total + len(reports) - len(new)) % maxlen
-        room = maxlen - slot
-        if len(new) <= room:
-            self._slots[slot:slot + len(new)] = new
-        else:  # wraps: the end of the list, then its start
-            self._slots[slot:] = new[:room]
-            self._slots[:len(new) - room] = new[room:]
-        self.total += len(reports)
+        """Remember the outcome of every report of this batch."""
+        n = len(reports)
+        if n > self.maxlen:  # a batch over maxlen: its newest
+            self._skip_to(self.total + n - self.maxlen)
+            reports = reports[-self.maxlen:]
+            n = self.maxlen
+        self._reports += reports
+        self._open_workers += repeat(worker, n)
+        self._open_ok += (b"\x01" if ok else b"\x00") * n
+        self.total += n
+        chunk = self.chunk
+        end = self._base - self._base % chunk + chunk
+        while self.total >= end:
+            self._seal(end)
+            end += chunk
 
-    def _raw(self, seq: int) -> tuple:
-        """The stored tuple of entry ``seq`` (which the caller knows is held)."""
-        return self._slots[seq % self.maxlen]
+    def pack(self) -> None:
+        """Pack the open entries now (a part of a chunk), so that no report is held."""
+        if self.total > self._base:
+            self._seal(self.total)
+
+    def _skip_to(self, seq: int) -> None:
+        """Drop everything before ``seq``; the open entries start at its chunk."""
+        self._base = seq - seq % self.chunk
+        pad = seq - self._base
+        self._reports = [_GONE] * pad
+        self._open_workers = [None] * pad
+        self._open_ok = bytearray(pad)
+        self.total = seq
+
+    def _seal(self, end: int) -> None:
+        """Pack the open entries before ``end`` into their chunk (the one ``_base`` is
+        in), with what of that chunk an earlier `pack` packed."""
+        n = end - self._base
+        keys, times = _columns(self._reports[:n])
+        workers = tuple(self._open_workers[:n])
+        ok = bytes(self._open_ok[:n])
+        del self._reports[:n], self._open_workers[:n], self._open_ok[:n]
+        slot = self._base // self.chunk % self._slots
+        if self._base % self.chunk:  # a part of this chunk is packed already
+            had = array("d")
+            had.frombytes(self._times[slot])
+            half = len(had) // 2
+            keys = list(_unpack_keys(self._keys[slot])) + keys
+            workers = self._workers[slot] + workers
+            times = had[:half] + times[:n] + had[half:] + times[n:]
+            ok = self._ok[slot] + ok
+        self._keys[slot] = _pack_keys(keys)
+        self._workers[slot] = workers
+        self._times[slot] = times.tobytes()
+        self._ok[slot] = ok
+        self._base = end
+
+    def _raw(self, seq: int, unpacked: dict) -> tuple:
+        """Entry ``seq`` (which the caller knows is held) as ``(key, worker, start, stop,
+        ok)``; ``unpacked`` keeps the keys of the chunks this read unpacked."""
+        if seq >= self._base:
+            i = seq - self._base
+            msg = self._reports[i]
+            return (msg.get("key"), self._open_workers[i], msg.get("start"),
+                    msg.get("stop"), self._open_ok[i] == 1)
+        chunk, i = divmod(seq, self.chunk)
+        columns = unpacked.get(chunk)
+        if columns is None:
+            slot = chunk % self._slots
+            times = array("d")
+            times.frombytes(self._times[slot])
+            columns = unpacked[chunk] = (_unpack_keys(self._keys[slot]), self._workers[slot],
+                                         times, self._ok[slot])
+        keys, workers, times, ok = columns
+        return keys[i], workers[i], times[i], times[len(ok) + i], ok[i] == 1
 
     def after(self, seq: int, limit: int = 1000, sample: bool = False) -> tuple:
         """``(entries, next_seq, skipped)``: at most ``limit`` entries numbered ``seq``
@@ -102,8 +192,9 @@ class TaskStream:
         else:
             numbers = range(total - take, total)
         out = []
+        unpacked: dict = {}
         for number in numbers:
-            entry = _checked(number, self._raw(number))
+            entry = _checked(number, self._raw(number, unpacked))
             if entry is not None:
                 out.append(entry)
         skipped = max(total - seq, 0) - len(numbers)
@@ -116,9 +207,10 @@ class TaskStream:
         first. Walks back from the newest entry and stops at the first one that ended
         well before ``start`` (entries arrive roughly in order of their stop time)."""
         out = []
+        unpacked: dict = {}
         slack = 60.0  # reports from different workers arrive out of order by this much
         for number in range(self.total - 1, self.first - 1, -1):
-            entry = _checked(number, self._raw(number))
+            entry = _checked(number, self._raw(number, unpacked))
             if entry is None:
                 continue
             if start is not None and entry[4] < start:
@@ -134,12 +226,49 @@ class TaskStream:
         return out
 
 
+def _columns(reports: list) -> tuple:
+    """``(keys, times)`` of these reports: a list, and an array of their starts then
+    their stops (a time that is not a number becomes NaN, which readers drop)."""
+    try:
+        keys = list(map(_KEY, reports))
+        times = array("d", map(_START, reports))
+        times.extend(map(_STOP, reports))
+    except (KeyError, TypeError, OverflowError):  # a report without its times, or odd
+        keys = [msg.get("key") for msg in reports]
+        times = array("d", [_as_float(msg.get(name)) for name in ("start", "stop")
+                            for msg in reports])
+    return keys, times
+
+
+def _pack_keys(keys: list):
+    """The keys as one msgpack blob, or as a tuple if msgpack cannot carry them."""
+    try:
+        return msgpack.packb(keys, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        return tuple(keys)
+
+
+def _unpack_keys(packed) -> tuple:
+    if type(packed) is tuple:
+        return packed
+    return msgpack.unpackb(packed, use_list=False, raw=False, strict_map_key=False)
+
+
+def _as_float(value) -> float:
+    """The time as the chunks store it: a float if it is a number, else NaN."""
+    try:
+        return array("d", (value,))[0]
+    except (TypeError, OverflowError):
+        return _NAN
+
+
 def _checked(seq: int, raw: tuple) -> TaskStreamEntry | None:
     """The entry as readers see it, or None if its times are not finite numbers."""
     key, worker, start, stop, ok = raw
-    if type(start) not in (int, float) or type(stop) not in (int, float):
-        return None
-    start, stop = float(start), float(stop)
+    if type(start) is not float:
+        start = _as_float(start)
+    if type(stop) is not float:
+        stop = _as_float(stop)
     if not (math.isfinite(start) and math.isfinite(stop)):
         return None
     return TaskStreamEntry((seq, key, worker, start, max(stop, start), ok))

@@ -107,6 +107,8 @@ RELEASE_SLICE_KEYS = config.SETTINGS["scheduler.slice-keys"][1]
 #: A stimulus forgets at most this many tasks per key of ``slice-keys`` (forgetting is
 #: cheaper than releasing a key: 5,000 take about 10 ms).
 FORGET_SLICE_PER_KEY = 5
+#: Seconds between the heap trimmer's looks for a trim it owes (`HeapTrimmer.settle`).
+HEAP_SETTLE_INTERVAL = 1.0
 
 
 class Scheduler:
@@ -197,10 +199,11 @@ class Scheduler:
         self._worker_requests = WorkerRequests()  # story, logs
         self._listener = None
         self._ttl_task: asyncio.Task | None = None
+        self._heap_task: asyncio.Task | None = None
         self._steal_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._closed = asyncio.Event()
-        #: Recent task outcomes: (key, worker, start, stop, ok), one append per task.
+        #: Recent task outcomes: (key, worker, start, stop, ok), packed a chunk at a time.
         self.task_stream = TaskStream()
         #: worker address -> the URL of its HTTP server (from its registration)
         self.worker_dashboards: dict = {}
@@ -209,7 +212,7 @@ class Scheduler:
         self.loop_lag = LoopLagMonitor()  # sampled while the dashboard runs
         self.n_stimuli = 0
         #: malloc_trim once many tasks are forgotten, so the RSS goes back down with them
-        self.heap_trimmer = HeapTrimmer()
+        self.heap_trimmer = HeapTrimmer(before_trim=self.task_stream.pack)
         self.graph_updates = 0
         self.graph_tasks = 0
         self.graph_intake_seconds = 0.0
@@ -270,6 +273,7 @@ class Scheduler:
         logs.claim_address("scheduler", self.address)
         logs.install_buffer()
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
+        self._heap_task = asyncio.get_running_loop().create_task(self._settle_heap())
         if self.work_stealing:
             self._steal_task = asyncio.get_running_loop().create_task(self._steal_loop())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
@@ -304,6 +308,8 @@ class Scheduler:
         await self._plugin_hooks.close()
         if self._ttl_task is not None:
             self._ttl_task.cancel()
+        if self._heap_task is not None:
+            self._heap_task.cancel()
         if self._steal_task is not None:
             self._steal_task.cancel()
         self.loop_lag.stop()
@@ -584,6 +590,13 @@ class Scheduler:
     def _balance(self) -> None:
         self._last_balance = time.monotonic()
         self.stimulus("scheduler", "balance", self.state.balance)
+
+    async def _settle_heap(self) -> None:
+        """Once a second, let the heap trimmer trim once more after a release that left
+        few tasks (what the release's last messages freed)."""
+        while True:
+            await asyncio.sleep(HEAP_SETTLE_INTERVAL)
+            self.heap_trimmer.settle(len(self.state.tasks))
 
     async def _check_ttl(self) -> None:
         """Remove workers silent for longer than ``worker_ttl``, and disconnect clients

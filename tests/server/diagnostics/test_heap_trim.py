@@ -35,3 +35,39 @@ def test_trims_are_timed(monkeypatch):
     assert trimmer.seconds == trimmer.longest == 0.0
     assert [trimmer.held(n) for n in (100, 50, 45)] == [False, True, False]
     assert trimmer.trims == 1 and 0.02 <= trimmer.longest == trimmer.seconds < 1.0
+
+
+def test_before_a_trim_the_hook_runs_and_with_few_tasks_left_a_full_collection(monkeypatch):
+    """The task stream packs before every trim; the free lists are emptied (a full
+    collection) only once few tasks are left, when a collection walks little."""
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    trimmer = HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
+                          collect_below=16_384)
+    for n in (1_000_000, 900_000):
+        trimmer.held(n)
+    assert calls == ["pack", "trim"]
+    calls.clear()
+    for n in (20_000, 0):
+        trimmer.held(n)
+    assert calls == ["pack", "trim", "pack", "collect", "trim"]
+
+
+def test_after_a_trim_that_left_few_tasks_it_trims_a_few_times_more_as_it_settles(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    trimmer = HeapTrimmer(after=50_000, collect_below=16_384)
+    assert not trimmer.settle(0)  # nothing owed
+    trimmer.held(100_000)
+    trimmer.held(40_000)  # a trim that left many: owes nothing
+    assert not trimmer.settle(40_000) and calls == ["trim"]
+    trimmer.held(0)
+    calls.clear()
+    assert [trimmer.settle(0) for _ in range(heap_trim.SETTLE_TRIMS + 1)] == \
+        [True] * heap_trim.SETTLE_TRIMS + [False]
+    assert calls == ["collect", "trim"] * heap_trim.SETTLE_TRIMS
+    trimmer.held(60_000)
+    trimmer.held(0)
+    assert not trimmer.settle(30_000)  # a new graph came in meanwhile: not now

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from distributed_server.diagnostics import task_stream
 from distributed_server.diagnostics.loop_lag import LoopLagMonitor
 from distributed_server.diagnostics.task_stream import TaskStream
 
@@ -48,9 +49,12 @@ def test_entries_with_odd_times_are_not_shown():
     stream.record("w", [{"key": "a", "start": "x", "stop": 1.0},
                         {"key": "b", "start": float("nan"), "stop": 1.0},
                         {"key": "c"},
-                        {"key": "d", "start": 5, "stop": 4}], True)
+                        {"key": "d", "start": 5, "stop": 4},
+                        {"key": "e", "start": 10**400, "stop": 1.0}], True)
     (entry,) = stream.after(0)[0]
     assert tuple(entry) == (3, "d", "w", 5.0, 5.0, True)  # stop before start: clamped
+    stream.pack()
+    assert [tuple(e) for e in stream.after(0)[0]] == [(3, "d", "w", 5.0, 5.0, True)]
 
 
 def test_a_window_holds_the_tasks_that_ran_in_it():
@@ -98,14 +102,18 @@ def test_a_sample_spreads_evenly_over_what_a_reader_missed():
     assert [e.seq for e in stream.after(98, limit=4, sample=True)[0]] == [98, 99]
 
 
-class CountingSlots(list):
-    """A ring's slot list that counts the slots read."""
+class CountingUnpacks:
+    """Counts the chunks whose keys a read unpacks (the costly part of reading)."""
 
-    reads = 0
+    def __init__(self, monkeypatch):
+        self.count = 0
+        real = task_stream._unpack_keys
 
-    def __getitem__(self, index):
-        CountingSlots.reads += 1
-        return super().__getitem__(index)
+        def counting(packed):
+            self.count += 1
+            return real(packed)
+
+        monkeypatch.setattr(task_stream, "_unpack_keys", counting)
 
 
 def test_after_wrap_around_a_read_returns_the_right_entries():
@@ -122,6 +130,8 @@ def test_after_wrap_around_a_read_returns_the_right_entries():
         batch = reports(n, len(recorded))
         stream.record("w", batch, True)
         recorded += [(r["key"], r["start"]) for r in batch]
+        if rng.random() < 0.25:  # as before a trim: packs part of a chunk
+            stream.pack()
         total = len(recorded)
         assert stream.total == total and len(stream) == min(total, maxlen)
         held = list(range(max(total - maxlen, 0), total))
@@ -143,20 +153,51 @@ def test_after_wrap_around_a_read_returns_the_right_entries():
         assert [e[1] for e in window] == [recorded[s][0] for s in held]
 
 
-def test_a_sample_after_wrap_around_reads_only_the_slots_it_returns():
-    """100 entries sampled from the last 100,000 of a ring that has wrapped read 100
-    slots: a read costs what it returns, not what was recorded since the last one."""
+def test_a_sample_after_wrap_around_unpacks_only_the_chunks_it_returns(monkeypatch):
+    """100 entries sampled from the last 100,000 of a ring that has wrapped unpack the
+    keys of at most 100 chunks: a read costs what it returns, not what was recorded."""
     stream = TaskStream(maxlen=100_000)
-    stream._slots = CountingSlots(stream._slots)
     batch = reports(1000)
     for _ in range(250):  # 250,000 entries: the ring wrapped twice and a half
         stream.record("w", batch, True)
-    CountingSlots.reads = 0
+    unpacks = CountingUnpacks(monkeypatch)
     entries, next_seq, skipped = stream.after(150_000, limit=100, sample=True)
-    assert CountingSlots.reads == 100 and len(entries) == 100
+    assert unpacks.count <= 100 and len(entries) == 100
     assert [e.seq for e in entries] == list(range(150_999, 250_000, 1000))
     assert (next_seq, skipped) == (250_000, 99_900)
     assert entries[-1][1] == "t-999" and entries[0][1] == "t-999"  # each batch's last
-    CountingSlots.reads = 0
+    unpacks.count = 0
     assert [e.seq for e in stream.after(0, limit=5)[0]] == list(range(249_995, 250_000))
-    assert CountingSlots.reads == 5
+    assert unpacks.count <= 1
+
+
+def test_packed_entries_hold_no_report_and_read_as_they_came():
+    """Once packed (a full chunk, or `pack` before a trim), no report is held: the
+    entries are in a few large buffers, and read back with their keys' own types."""
+    import sys
+
+    keys = ["plain", ("x", 1, 2), b"raw", 7, ("nested", ("a", 0))]
+    batch = [{"key": key, "start": 1.0 + i, "stop": 2.0 + i} for i, key in enumerate(keys)]
+    held = [sys.getrefcount(msg) for msg in batch]
+    stream = TaskStream()
+    stream.record("w", batch, True)
+    assert [sys.getrefcount(msg) for msg in batch] == [n + 1 for n in held]
+    stream.pack()
+    assert [sys.getrefcount(msg) for msg in batch] == held
+    stream.record("w2", [{"key": "after", "start": 9.0, "stop": 9.5}], False)
+    stream.pack()  # merges into the chunk packed before
+    entries = stream.after(0)[0]
+    assert [e[1] for e in entries] == keys + ["after"]
+    assert [type(e[1]) for e in entries] == [type(k) for k in keys] + [str]
+    assert [(e[2], e[3], e[5]) for e in entries] == [("w", 1.0 + i, True)
+                                                     for i in range(5)] + [("w2", 9.0, False)]
+
+
+def test_keys_msgpack_cannot_carry_are_kept_as_they_are():
+    class Odd:
+        pass
+
+    odd = Odd()
+    stream = TaskStream(maxlen=4)
+    stream.record("w", [{"key": odd, "start": 1.0, "stop": 2.0}] * 6, True)
+    assert [e[1] for e in stream.after(0)[0]] == [odd] * 4
