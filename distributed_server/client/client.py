@@ -578,14 +578,12 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
         if keys is not None and len(keys) != n:
             raise ValueError(f"map got {len(keys)} keys for {n} tasks")
         mapper = MapEncoder(encoder, columns, n, kwargs)
-        tasks = mapper.tasks(keys)
-        step = batch_size or MAP_BATCH_TASKS
         futures: list[Future] = []
         # shared values go first, wanted until the last batch that needs them is sent
         shared = self._register(mapper.shared) if mapper.shared else []
         try:
-            for start in range(0, len(tasks), step):
-                futures.extend(self._register(tasks[start:start + step]))
+            for batch in mapper.batches(keys, batch_size or MAP_BATCH_TASKS):
+                futures.extend(self._register(batch))
         finally:
             for future in shared:
                 future.release()

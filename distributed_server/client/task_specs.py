@@ -25,7 +25,7 @@ import hashlib
 import pickle
 import struct
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..comm import Blob
 from ..protocol.serialize import Call, TaskRef, dumps_spec
@@ -317,19 +317,33 @@ class MapEncoder:
             self.encoder.shared_deps += (key,)
         return key
 
-    def tasks(self, keys: list | None) -> list[dict]:
-        """One task dict per row, in order (``keys``: the caller's keys, or None)."""
-        columns, kwargs, encoder = self.columns, self.kwargs, self.encoder
-        if keys is None and not encoder.pure:
+    def batches(self, keys: list | None, step: int) -> Iterator[list[dict]]:
+        """The tasks, ``step`` rows at a time, in order (``keys``: the caller's keys, or
+        None). Each batch is built when it is asked for, so the first can be sent (and
+        run) before the last is built: a map of ten million rows sent its first task
+        after 23 s when every task was built first."""
+        fast = self._fast()
+        if keys is None and not self.encoder.pure:
             # one token per map, then the index: the scheduler keeps neighbouring
             # indexes together (distributed_core.TaskTable)
             token = uuid.uuid4().hex
-            keys = [f"{encoder.prefix}-{token}-{i}" for i in range(self.n)]
-        if not self._fast():
-            rows = zip(*columns)
-            if keys is None:
-                return [encoder.task(args, kwargs) for args in rows]
-            return [encoder.task(args, kwargs, key) for args, key in zip(rows, keys)]
+            prefix = f"{self.encoder.prefix}-{token}-"
+            keys = _IndexKeys(prefix)
+        for start in range(0, self.n, step):
+            stop = min(start + step, self.n)
+            rows = zip(*[column[start:stop] for column in self.columns])
+            batch_keys = None if keys is None else keys[start:stop]
+            yield self._fast_tasks(rows, batch_keys) if fast else \
+                self._slow_tasks(rows, batch_keys)
+
+    def _slow_tasks(self, rows, keys: list | None) -> list[dict]:
+        encoder, kwargs = self.encoder, self.kwargs
+        if keys is None:
+            return [encoder.task(args, kwargs) for args in rows]
+        return [encoder.task(args, kwargs, key) for args, key in zip(rows, keys)]
+
+    def _fast_tasks(self, rows, keys: list | None) -> list[dict]:
+        encoder, kwargs = self.encoder, self.kwargs
         tail = (_pickle_segment(kwargs) if kwargs else b"N") + b"\x87R."
         head, head_hash, prefix = encoder.head, encoder.head_hash, encoder.prefix
         deps = list(encoder.shared_deps)
@@ -337,7 +351,7 @@ class MapEncoder:
         dumps, limit = pickle.dumps, SPEC_BLOB_BYTES
         out = []
         append = out.append
-        for i, args in enumerate(zip(*columns)):
+        for i, args in enumerate(rows):
             body = dumps(args, 3)[2:-1] + tail
             spec = head + body
             if keys is not None:
@@ -363,6 +377,19 @@ class MapEncoder:
             walker.walk(self.kwargs)
             return walker.plain and not walker.deps
         return True
+
+
+class _IndexKeys:
+    """The keys ``<prefix><i>`` of a map's rows, made a slice at a time."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __getitem__(self, rows: slice) -> list[str]:
+        prefix = self.prefix
+        return [f"{prefix}{i}" for i in range(rows.start, rows.stop)]
 
 
 def _all_same(column: list, first) -> bool:

@@ -393,6 +393,33 @@ def test_a_large_map_goes_in_update_graphs_of_map_batch_tasks(scheduler, client,
     assert [len(g["tasks"]) for g in scheduler.sent("update-graph")] == [40, 40, 20]
 
 
+class PickleLog:
+    """A map argument that notes in ``log`` when it is pickled."""
+
+    log: list = []
+
+    def __init__(self, i):
+        self.i = i
+
+    def __reduce__(self):
+        PickleLog.log.append("row")
+        return (PickleLog, (self.i,))
+
+
+def test_a_map_sends_each_batch_before_it_builds_the_next(scheduler, client, monkeypatch):
+    """The rows of a big map are built a batch at a time, each sent before the next is
+    built: its first tasks can run while the caller is still building the rest."""
+    PickleLog.log = log = []
+    register = client._register
+    monkeypatch.setattr(client, "_register",
+                        lambda tasks, *a: log.append(len(tasks)) or register(tasks, *a))
+    futures = client.map(bool, [PickleLog(i) for i in range(5)], batch_size=2, pure=False)
+    assert log == ["row", "row", 2, "row", "row", 2, "row", 1]
+    assert len({f.key for f in futures}) == 5 and futures[0].key.startswith("bool-")
+    assert client.gather(futures) == [True] * 5
+    assert [len(g["tasks"]) for g in scheduler.sent("update-graph")] == [2, 2, 1]
+
+
 def test_map_batches_and_shares_duplicate_keys(scheduler, client):
     futures = client.map(inc, [1, 2, 1, 3, 4], batch_size=2, key="step")
     assert client.gather(futures) == [2, 3, 2, 4, 5]
