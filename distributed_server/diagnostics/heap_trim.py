@@ -16,7 +16,7 @@ import time
 #: Tasks that must be forgotten (from the most held since the last trim) before a trim.
 TRIM_AFTER_TASKS = 50_000
 #: A trim with at most this many tasks still held runs a full collection first.
-COLLECT_BELOW_TASKS = 16_384
+COLLECT_BELOW_TASKS = 1_024
 #: Trims (with a collection), a second apart, that follow a trim which left few tasks.
 SETTLE_TRIMS = 3
 
@@ -51,9 +51,11 @@ class HeapTrimmer:
     empties: the last few thousand tuples, dicts and floats that a release freed stay in
     them, each keeping a 1 MiB arena of the small-object allocator from going back to the
     system (after a million-task map: 195 MiB of RSS before the collection, 108 MiB
-    after; the collection took 8.7 ms). With most of a big graph still held, a full
-    collection walks every task: right after a million-task release began it held the
-    loop for 95-165 ms, so it waits until few are left. What the release's last
+    after; the collection took 8.7 ms). A full collection walks every object still
+    tracked: at the last trim of a million-task release (a sixteenth of the tasks or
+    fewer left) it held the loop for 95-165 ms, and with 16,384 or fewer left at the end
+    of a ten-million-task map's release 53 ms (the task table's emptied dicts, not yet
+    rebuilt), so it waits until almost nothing is held. What the release's last
     messages free after that fills the free lists again (135 MiB instead of 107), so
     `settle`, called about once a second, trims ``SETTLE_TRIMS`` more times after such a
     trim."""

@@ -12,16 +12,16 @@ an allocator arena among the run's freed tasks: kept one by one, the last 100,00
 entries of a million-task map held 540 of the scheduler's 1 MiB arenas (566 MB of RSS,
 44 MB of it in use) after every task was released. So the newest entries are kept as the
 reports themselves (no copy is made when they arrive), and every `CHUNK` of them are
-packed into a few large buffers: the keys in one msgpack blob, the start and stop times
-in one buffer of doubles, the outcomes in one of bytes, the workers in one tuple.
-Large buffers come from the C heap, not the arenas, and leave nothing behind when they
-are dropped. `pack` packs what is still open (the scheduler calls it before it gives
-memory back after a big release). Recording costs about what one tuple a task did
-(benchmarks/dashboard_cost.py).
+packed into a few large buffers: the keys in one (str keys joined, others packed by
+msgpack one by one) with where each one ends, the start and stop times in one buffer of
+doubles, the outcomes in one of bytes, the workers in one tuple. Large buffers come from
+the C heap, not the arenas, and leave nothing behind when they are dropped. `pack` packs
+what is still open (the scheduler calls it before it gives memory back after a big
+release).
 
 Everything that checks or converts an entry happens when it is read, and a read touches
-only the entries it returns (and unpacks the keys of the chunks they are in): a page that
-samples 100 of the last 100,000 unpacks at most 100 chunks.
+only the entries it returns, one key each: a page that samples 100 of the last 100,000
+reads 100 keys.
 
 A reader that polls asks for what came after the last number it saw and never gets an
 entry twice.
@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import math
 from array import array
-from itertools import repeat
+from itertools import accumulate, repeat
 from operator import itemgetter
+from struct import unpack_from
 
 import msgpack
 
@@ -53,6 +54,9 @@ _STOP = itemgetter("stop")
 #: Stands for an entry that was never kept (older than the stream reaches).
 _GONE: dict = {}
 _NAN = float("nan")
+_ONE = 1
+#: Packs the keys that are not str (autoreset: each ``pack`` returns its own bytes).
+_PACKER = msgpack.Packer(use_bin_type=True)
 
 
 class TaskStreamEntry(tuple):
@@ -81,7 +85,8 @@ class TaskStream:
         self.chunk = min(CHUNK, maxlen)
         #: Chunk ``c`` (entries ``c * chunk`` on) is in slot ``c % slots`` while held.
         self._slots = -(-maxlen // self.chunk) + 1
-        self._keys: list = [None] * self._slots  # msgpack blob (or a tuple if not packable)
+        self._keys: list = [None] * self._slots  # see _pack_keys
+        self._key_ends: list = [None] * self._slots  # where each key ends in its blob
         self._workers: list = [None] * self._slots  # tuple of addresses
         self._times: list = [None] * self._slots  # n starts then n stops, as doubles
         self._ok: list = [None] * self._slots  # n bytes of 0 or 1
@@ -145,34 +150,56 @@ class TaskStream:
             had = array("d")
             had.frombytes(self._times[slot])
             half = len(had) // 2
-            keys = list(_unpack_keys(self._keys[slot])) + keys
+            keys = _unpack_keys(self._keys[slot], self._key_ends[slot]) + keys
             workers = self._workers[slot] + workers
             times = had[:half] + times[:n] + had[half:] + times[n:]
             ok = self._ok[slot] + ok
-        self._keys[slot] = _pack_keys(keys)
+        self._keys[slot], self._key_ends[slot] = _pack_keys(keys)
         self._workers[slot] = workers
         self._times[slot] = times.tobytes()
         self._ok[slot] = ok
         self._base = end
 
-    def _raw(self, seq: int, unpacked: dict) -> tuple:
+    def _raw(self, seq: int) -> tuple:
         """Entry ``seq`` (which the caller knows is held) as ``(key, worker, start, stop,
-        ok)``; ``unpacked`` keeps the keys of the chunks this read unpacked."""
+        ok)``."""
         if seq >= self._base:
             i = seq - self._base
             msg = self._reports[i]
             return (msg.get("key"), self._open_workers[i], msg.get("start"),
                     msg.get("stop"), self._open_ok[i] == 1)
         chunk, i = divmod(seq, self.chunk)
-        columns = unpacked.get(chunk)
-        if columns is None:
-            slot = chunk % self._slots
-            times = array("d")
-            times.frombytes(self._times[slot])
-            columns = unpacked[chunk] = (_unpack_keys(self._keys[slot]), self._workers[slot],
-                                         times, self._ok[slot])
-        keys, workers, times, ok = columns
-        return keys[i], workers[i], times[i], times[len(ok) + i], ok[i] == 1
+        slot = chunk % self._slots
+        ok, times = self._ok[slot], self._times[slot]
+        return (_unpack_key(self._keys[slot], self._key_ends[slot], i),
+                self._workers[slot][i], unpack_from("d", times, 8 * i)[0],
+                unpack_from("d", times, 8 * (len(ok) + i))[0], ok[i] == 1)
+
+    def _newest_first(self):
+        """``(seq, raw entry)`` of every held entry, newest first, unpacked a chunk at a
+        time (for reads that walk many)."""
+        first, seq = self.first, self.total - 1
+        while seq >= first:
+            if seq >= self._base:
+                low = max(self._base, first)
+                rows = [self._raw(number) for number in range(low, seq + 1)]
+            else:
+                chunk = seq // self.chunk
+                low = chunk * self.chunk
+                rows = self._chunk_rows(chunk)
+            for number in range(seq, max(low, first) - 1, -1):
+                yield number, rows[number - low]
+            seq = low - 1
+
+    def _chunk_rows(self, chunk: int) -> list:
+        """Every raw entry of a packed chunk, in order."""
+        slot = chunk % self._slots
+        ok = self._ok[slot]
+        n = len(ok)
+        times = array("d")
+        times.frombytes(self._times[slot])
+        keys = _unpack_keys(self._keys[slot], self._key_ends[slot])
+        return list(zip(keys, self._workers[slot], times[:n], times[n:], map(_ONE.__eq__, ok)))
 
     def after(self, seq: int, limit: int = 1000, sample: bool = False) -> tuple:
         """``(entries, next_seq, skipped)``: at most ``limit`` entries numbered ``seq``
@@ -192,9 +219,8 @@ class TaskStream:
         else:
             numbers = range(total - take, total)
         out = []
-        unpacked: dict = {}
         for number in numbers:
-            entry = _checked(number, self._raw(number, unpacked))
+            entry = _checked(number, self._raw(number))
             if entry is not None:
                 out.append(entry)
         skipped = max(total - seq, 0) - len(numbers)
@@ -207,10 +233,9 @@ class TaskStream:
         first. Walks back from the newest entry and stops at the first one that ended
         well before ``start`` (entries arrive roughly in order of their stop time)."""
         out = []
-        unpacked: dict = {}
         slack = 60.0  # reports from different workers arrive out of order by this much
-        for number in range(self.total - 1, self.first - 1, -1):
-            entry = _checked(number, self._raw(number, unpacked))
+        for number, raw in self._newest_first():
+            entry = _checked(number, raw)
             if entry is None:
                 continue
             if start is not None and entry[4] < start:
@@ -240,18 +265,49 @@ def _columns(reports: list) -> tuple:
     return keys, times
 
 
-def _pack_keys(keys: list):
-    """The keys as one msgpack blob, or as a tuple if msgpack cannot carry them."""
+def _pack_keys(keys: list) -> tuple:
+    """``(blob, ends)``: the keys in one blob, and where each one ends in it (offsets as
+    uint32 bytes, a 0 first), so that one key is read without the others. str keys are
+    joined as they are; other keys are packed by msgpack one by one (a dask key is a
+    tuple); keys msgpack cannot carry are kept as a tuple (``ends`` None)."""
     try:
-        return msgpack.packb(keys, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError):
-        return tuple(keys)
+        blob = "".join(keys)
+        parts = keys
+    except TypeError:  # not all str
+        try:
+            parts = list(map(_PACKER.pack, keys))
+        except (TypeError, ValueError, OverflowError):
+            _PACKER.reset()
+            return tuple(keys), None
+        blob = b"".join(parts)
+    ends = array("I", [0])
+    ends.extend(accumulate(map(len, parts)))
+    return blob, ends.tobytes()
 
 
-def _unpack_keys(packed) -> tuple:
-    if type(packed) is tuple:
-        return packed
-    return msgpack.unpackb(packed, use_list=False, raw=False, strict_map_key=False)
+def _unpack_key(blob, ends, i: int):
+    """Key ``i`` of a blob `_pack_keys` made."""
+    if ends is None:
+        return blob[i]
+    start, stop = unpack_from("2I", ends, 4 * i)
+    if type(blob) is str:
+        return blob[start:stop]
+    return msgpack.unpackb(blob[start:stop], use_list=False, raw=False,
+                           strict_map_key=False)
+
+
+def _unpack_keys(blob, ends) -> list:
+    """Every key of a blob `_pack_keys` made."""
+    if ends is None:
+        return list(blob)
+    if type(blob) is str:
+        offsets = array("I")
+        offsets.frombytes(ends)
+        return [blob[start:stop] for start, stop in zip(offsets, offsets[1:])]
+    unpacker = msgpack.Unpacker(use_list=False, raw=False, strict_map_key=False,
+                                max_buffer_size=max(len(blob), 1))
+    unpacker.feed(blob)
+    return list(unpacker)
 
 
 def _as_float(value) -> float:

@@ -44,12 +44,12 @@ def test_before_a_trim_the_hook_runs_and_with_few_tasks_left_a_full_collection(m
     monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
     monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
     trimmer = HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
-                          collect_below=16_384)
+                          collect_below=1_024)
     for n in (1_000_000, 900_000):
         trimmer.held(n)
     assert calls == ["pack", "trim"]
     calls.clear()
-    for n in (20_000, 0):
+    for n in (10_000, 0):
         trimmer.held(n)
     assert calls == ["pack", "trim", "pack", "collect", "trim"]
 
@@ -58,7 +58,7 @@ def test_after_a_trim_that_left_few_tasks_it_trims_a_few_times_more_as_it_settle
     calls = []
     monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
     monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
-    trimmer = HeapTrimmer(after=50_000, collect_below=16_384)
+    trimmer = HeapTrimmer(after=50_000, collect_below=1_024)
     assert not trimmer.settle(0)  # nothing owed
     trimmer.held(100_000)
     trimmer.held(40_000)  # a trim that left many: owes nothing
