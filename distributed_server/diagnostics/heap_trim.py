@@ -15,8 +15,11 @@ import time
 
 #: Tasks that must be forgotten (from the most held since the last trim) before a trim.
 TRIM_AFTER_TASKS = 50_000
-#: A trim with at most this many tasks still held runs a full collection first.
+#: A trim with at most this many tasks still held runs a full collection first...
 COLLECT_BELOW_TASKS = 1_024
+#: ...if at least this many were held since the last collection (a smaller job leaves
+#: little to give back, and the collections cost it a few per cent of its CPU).
+COLLECT_AFTER_TASKS = 100_000
 #: Trims (with a collection), a second apart, that follow a trim which left few tasks.
 SETTLE_TRIMS = 3
 
@@ -45,7 +48,8 @@ class HeapTrimmer:
     the most held since the last trim) are gone, or once almost all are (a tail smaller
     than ``after``).
 
-    A trim with at most ``collect_below`` tasks still held runs a full collection first.
+    A trim with at most ``collect_below`` tasks still held, after ``collect_after`` or
+    more were held, runs a full collection first.
     Not for the cycles (the scheduler's `gc_pauses.LoopCollector` frees those by its
     thresholds) but for the interpreter's free lists, which only a full collection
     empties: the last few thousand tuples, dicts and floats that a release freed stay in
@@ -61,9 +65,12 @@ class HeapTrimmer:
     trim."""
 
     def __init__(self, after: int = TRIM_AFTER_TASKS, before_trim=None,
-                 collect_below: int = COLLECT_BELOW_TASKS):
+                 collect_below: int = COLLECT_BELOW_TASKS,
+                 collect_after: int = COLLECT_AFTER_TASKS):
         self.after = after
         self.collect_below = collect_below
+        self.collect_after = collect_after
+        self.peak = 0  # most tasks held since the last collection
         #: Called just before each trim: what should let go of memory first
         #: (the task stream packs its open entries).
         self.before_trim = before_trim
@@ -75,6 +82,8 @@ class HeapTrimmer:
 
     def held(self, n_tasks: int) -> bool:
         """Tell it ``n_tasks`` are held now; True if it trimmed the heap."""
+        if n_tasks > self.peak:
+            self.peak = n_tasks
         if n_tasks > self.high:
             self.high = n_tasks
             return False
@@ -82,8 +91,9 @@ class HeapTrimmer:
         if gone < self.after and (gone < self.after // 10 or n_tasks * 16 > self.high):
             return False
         self.high = n_tasks
-        self._trim(collect=n_tasks <= self.collect_below)
-        self._owed = SETTLE_TRIMS if n_tasks <= self.collect_below else 0
+        collect = n_tasks <= self.collect_below and self.peak >= self.collect_after
+        self._trim(collect)
+        self._owed = SETTLE_TRIMS if collect else 0
         return True
 
     def settle(self, n_tasks: int) -> bool:
@@ -106,6 +116,7 @@ class HeapTrimmer:
             self.before_trim()
         if collect:
             gc.collect()
+            self.peak = 0
         trim_heap()
         took = time.perf_counter() - started
         self.seconds += took

@@ -44,7 +44,7 @@ def test_before_a_trim_the_hook_runs_and_with_few_tasks_left_a_full_collection(m
     monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
     monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
     trimmer = HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
-                          collect_below=1_024)
+                          collect_below=1_024, collect_after=100_000)
     for n in (1_000_000, 900_000):
         trimmer.held(n)
     assert calls == ["pack", "trim"]
@@ -58,7 +58,7 @@ def test_after_a_trim_that_left_few_tasks_it_trims_a_few_times_more_as_it_settle
     calls = []
     monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
     monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
-    trimmer = HeapTrimmer(after=50_000, collect_below=1_024)
+    trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
     assert not trimmer.settle(0)  # nothing owed
     trimmer.held(100_000)
     trimmer.held(40_000)  # a trim that left many: owes nothing
@@ -71,3 +71,18 @@ def test_after_a_trim_that_left_few_tasks_it_trims_a_few_times_more_as_it_settle
     trimmer.held(60_000)
     trimmer.held(0)
     assert not trimmer.settle(30_000)  # a new graph came in meanwhile: not now
+
+
+def test_a_small_job_is_trimmed_without_a_collection(monkeypatch):
+    """Under ``collect_after`` tasks held, a release frees too little for a collection
+    to be worth its CPU: the trim runs alone, and nothing is owed."""
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
+    for n in (20_000, 0):
+        trimmer.held(n)
+    assert calls == ["trim"] and not trimmer.settle(0)
+    for n in (100_000, 0):  # a big one after it collects
+        trimmer.held(n)
+    assert calls == ["trim", "collect", "trim"]
