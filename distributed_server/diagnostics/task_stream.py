@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from itertools import accumulate, repeat
+from itertools import accumulate, pairwise, repeat
 from operator import itemgetter
 from struct import unpack_from
 
@@ -54,7 +54,6 @@ _STOP = itemgetter("stop")
 #: Stands for an entry that was never kept (older than the stream reaches).
 _GONE: dict = {}
 _NAN = float("nan")
-_ONE = 1
 #: Packs the keys that are not str (autoreset: each ``pack`` returns its own bytes).
 _PACKER = msgpack.Packer(use_bin_type=True)
 
@@ -199,7 +198,7 @@ class TaskStream:
         times = array("d")
         times.frombytes(self._times[slot])
         keys = _unpack_keys(self._keys[slot], self._key_ends[slot])
-        return list(zip(keys, self._workers[slot], times[:n], times[n:], map(_ONE.__eq__, ok)))
+        return list(zip(keys, self._workers[slot], times[:n], times[n:], map(bool, ok)))
 
     def after(self, seq: int, limit: int = 1000, sample: bool = False) -> tuple:
         """``(entries, next_seq, skipped)``: at most ``limit`` entries numbered ``seq``
@@ -303,7 +302,7 @@ def _unpack_keys(blob, ends) -> list:
     if type(blob) is str:
         offsets = array("I")
         offsets.frombytes(ends)
-        return [blob[start:stop] for start, stop in zip(offsets, offsets[1:])]
+        return [blob[start:stop] for start, stop in pairwise(offsets)]
     unpacker = msgpack.Unpacker(use_list=False, raw=False, strict_map_key=False,
                                 max_buffer_size=max(len(blob), 1))
     unpacker.feed(blob)
