@@ -1214,7 +1214,7 @@ class SchedulerState:
     prefixes: dict
     _prefix_of_name: dict  # key[0] of tuple keys -> (that key[0], its TaskPrefix); a cache
     idle: dict  # address -> WorkerState that is not saturated
-    queued: list  # heap of (priority_user, generation, order, seq, TaskState)
+    queued: list  # heap of TaskStates, most urgent first (_heap_push); may hold left ones
     n_queued: cython.Py_ssize_t
     unrunnable: dict  # TaskState -> None, in arrival order
     validate: cython.bint
@@ -1244,7 +1244,6 @@ class SchedulerState:
     _forget_budget: cython.Py_ssize_t  # forgets this stimulus may still do; -1: no limit
     _forget_later: dict  # TaskState -> None: to forget, left for forget_more
     generation: cython.Py_ssize_t
-    queue_seq: cython.Py_ssize_t
     queue_picks: cython.Py_ssize_t  # queued tasks taken for workers, ever
     _picked_task: TaskState  # _pop_queued chose it for _picked_worker; taken next
     _picked_worker: WorkerState
@@ -1320,7 +1319,6 @@ class SchedulerState:
         self._tasks_peak = 0
         self._shrinking = []
         self.generation = 0
-        self.queue_seq = 0
         self.queue_picks = 0
         self._picked_task = None
         self._picked_worker = None
@@ -3953,9 +3951,7 @@ class SchedulerState:
 
     @cython.cfunc
     def _push_queued(self, ts: TaskState) -> None:
-        self.queue_seq += 1
-        heapq.heappush(self.queued, (ts.priority_user, ts.generation, ts.order,
-                                     self.queue_seq, ts))
+        _heap_push(self.queued, ts)
 
     @cython.cfunc
     def _pop_queued(self) -> cython.bint:
@@ -4017,7 +4013,7 @@ class SchedulerState:
                     if not ws.queue_run:
                         ws.queue_run = None
                     return ts
-                heapq.heappop(self.queued)
+                _heap_pop(self.queued)
                 return head
             head = self._queue_head()
             victim = self._most_urgent_run(ws, head is not None)
@@ -4054,10 +4050,10 @@ class SchedulerState:
         """The heap's most urgent queued task, left in the heap; None if none."""
         ts: TaskState
         while self.queued:
-            ts = self.queued[0][4]
+            ts = self.queued[0]
             if self._takeable(ts):
                 return ts
-            heapq.heappop(self.queued)
+            _heap_pop(self.queued)
         return None
 
     @cython.cfunc
@@ -4069,7 +4065,7 @@ class SchedulerState:
         n = max(1, min(n, _RUN_MAX))
         run = []
         while self.queued and len(run) < n:
-            ts = heapq.heappop(self.queued)[4]
+            ts = _heap_pop(self.queued)
             if self._takeable(ts):
                 run.append(ts)
         run.reverse()
@@ -4133,12 +4129,11 @@ class SchedulerState:
         ws: WorkerState
         seen = set()
         entries = []
-        for entry in self.queued:
-            ts = entry[4]
+        for ts in self.queued:
             if ts.state_id == _S_QUEUED and ts not in seen:
                 seen.add(ts)
-                entries.append(entry)
-        heapq.heapify(entries)
+                entries.append(ts)
+        _heapify(entries)
         self.queued = entries
         for ws in self.workers.values():
             if ws.queue_run is not None:
@@ -4274,7 +4269,10 @@ class SchedulerState:
             if ts.state_id == _S_QUEUED:
                 n_queued += 1
         _check(n_queued == self.n_queued, f"{self.n_queued} counted queued, {n_queued} are")
-        in_queue = {entry[4] for entry in self.queued if entry[4].state_id == _S_QUEUED}
+        in_queue = {ts for ts in self.queued if ts.state_id == _S_QUEUED}
+        for i in range(1, len(self.queued)):
+            _check(_urgency_cmp(self.queued[(i - 1) // 2], self.queued[i]) <= 0,
+                   f"the queue's heap is out of order at {i}")
         for ws in self.workers.values():
             if ws.queue_run is not None:
                 _check(ws.status == WORKER_RUNNING and len(ws.queue_run) > 0,
@@ -4509,6 +4507,72 @@ def _some(keys: list) -> str:
 
 def _priority_of(ts: TaskState) -> tuple:
     return (ts.priority_user, ts.generation, ts.order)
+
+
+@cython.cfunc
+@cython.boundscheck(False)  # every index is below len(heap)
+@cython.wraparound(False)
+def _heap_push(heap: list, ts: TaskState) -> None:
+    """Add ``ts`` to a heap of tasks whose most urgent (`_urgency_cmp`) is ``heap[0]``.
+
+    The heap holds the tasks themselves, 8 bytes a queued task; a heapq entry, a tuple of
+    the task's priority with an int to break ties, took 152 (a million queued tasks, 145
+    MiB). A task's priority never changes once it is made, so the order holds. Tasks of
+    equal priority (a client gave them the same order) come out in no set order."""
+    pos: cython.Py_ssize_t = len(heap)
+    parent: cython.Py_ssize_t
+    above: TaskState
+    heap.append(ts)
+    while pos > 0:
+        parent = (pos - 1) >> 1
+        above = heap[parent]
+        if _urgency_cmp(ts, above) >= 0:
+            break
+        heap[pos] = above
+        pos = parent
+    heap[pos] = ts
+
+
+@cython.cfunc
+def _heap_pop(heap: list) -> TaskState:
+    """Take the most urgent task off a heap `_heap_push` made (not empty)."""
+    last: TaskState = heap.pop()
+    if not heap:
+        return last
+    top: TaskState = heap[0]
+    _sift_down(heap, 0, last)
+    return top
+
+
+@cython.cfunc
+def _heapify(heap: list) -> None:
+    """Make a list of tasks a heap, as `_heap_push` keeps it."""
+    pos: cython.Py_ssize_t
+    for pos in range(len(heap) // 2 - 1, -1, -1):
+        _sift_down(heap, pos, heap[pos])
+
+
+@cython.cfunc
+@cython.boundscheck(False)  # every index is below len(heap)
+@cython.wraparound(False)
+def _sift_down(heap: list, pos: cython.Py_ssize_t, ts: TaskState) -> None:
+    """Put ``ts`` at ``pos`` of the heap and move it down to where it belongs."""
+    n: cython.Py_ssize_t = len(heap)
+    child: cython.Py_ssize_t
+    below: TaskState
+    while True:
+        child = 2 * pos + 1
+        if child >= n:
+            break
+        below = heap[child]
+        if child + 1 < n and _urgency_cmp(heap[child + 1], below) < 0:
+            child += 1
+            below = heap[child]
+        if _urgency_cmp(below, ts) >= 0:
+            break
+        heap[pos] = below
+        pos = child
+    heap[pos] = ts
 
 
 @cython.cfunc

@@ -23,3 +23,11 @@ def declare(type_=None, value=None, **kwargs):
 
 # C types named in ``cython.declare(T, value)``: placeholders, only the value is used.
 int = ulonglong = Py_ssize_t = Py_hash_t = None  # noqa: A001
+
+
+def boundscheck(flag: bool):
+    """``@cython.boundscheck(False)``: no index checks when compiled; nothing here."""
+    return _identity
+
+
+wraparound = boundscheck  # ``@cython.wraparound(False)``: no negative indices compiled

@@ -6,22 +6,24 @@ task began and ended. Entry number ``seq`` is its position since the scheduler s
 the newest ``maxlen`` entries are held, so a long run costs a fixed amount of memory, and
 any held entry is found in O(1).
 
-How entries are held matters more than what they cost to write. A report's key and
-times are small objects made while the run goes on, and each one kept for long sits in
-an allocator arena among the run's freed tasks: kept one by one, the last 100,000
-entries of a million-task map held 540 of the scheduler's 1 MiB arenas (566 MB of RSS,
-44 MB of it in use) after every task was released. So the newest entries are kept as the
-reports themselves (no copy is made when they arrive), and every `CHUNK` of them are
-packed into a few large buffers: the keys in one (str keys joined, others packed by
-msgpack one by one) with where each one ends, the start and stop times in one buffer of
-doubles, the outcomes in one of bytes, the workers in one tuple. Large buffers come from
-the C heap, not the arenas, and leave nothing behind when they are dropped. `pack` packs
-what is still open (the scheduler calls it before it gives memory back after a big
-release).
+How entries are held matters more than what they cost to write. A report's key and times
+are small objects made while the run goes on, and each one kept for long sits in an
+allocator arena among the run's freed tasks: kept one by one, the last 100,000 entries
+of a million-task map held 540 of the scheduler's 1 MiB arenas (566 MB of RSS, 44 MB of
+it in use) after every task was released. So a report is not kept: when it arrives, its
+key, worker and outcome go into open columns and its times into arrays of doubles
+(holding a report until its chunk was packed cost the scheduler about 10 % more CPU per
+task: fresh memory for every message). Every `CHUNK` entries are packed into a few large
+buffers: the keys in one (str keys joined, others in one msgpack array) with where each
+one ends, the start and stop times in one buffer of doubles, the outcomes in one of
+bytes, the workers in one tuple. Large buffers come from the C heap, not the arenas, and
+leave nothing behind when they are dropped. `pack` packs what is still open (the
+scheduler calls it before it gives memory back after a big release).
 
 Everything that checks or converts an entry happens when it is read, and a read touches
 only the entries it returns, one key each: a page that samples 100 of the last 100,000
-reads 100 keys.
+reads 100 keys. (The first read in a chunk of keys that are not str also finds where
+each of its keys ends, skipping over them without building one.)
 
 A reader that polls asks for what came after the last number it saw and never gets an
 entry twice.
@@ -51,8 +53,6 @@ CHUNK = 1024
 _KEY = itemgetter("key")
 _START = itemgetter("start")
 _STOP = itemgetter("stop")
-#: Stands for an entry that was never kept (older than the stream reaches).
-_GONE: dict = {}
 _NAN = float("nan")
 #: Packs the keys that are not str (autoreset: each ``pack`` returns its own bytes).
 _PACKER = msgpack.Packer(use_bin_type=True)
@@ -85,13 +85,16 @@ class TaskStream:
         #: Chunk ``c`` (entries ``c * chunk`` on) is in slot ``c % slots`` while held.
         self._slots = -(-maxlen // self.chunk) + 1
         self._keys: list = [None] * self._slots  # see _pack_keys
-        self._key_ends: list = [None] * self._slots  # where each key ends in its blob
+        #: Where each key ends in its blob (None while not needed yet: `_pack_keys`).
+        self._key_ends: list = [None] * self._slots
         self._workers: list = [None] * self._slots  # tuple of addresses
         self._times: list = [None] * self._slots  # n starts then n stops, as doubles
         self._ok: list = [None] * self._slots  # n bytes of 0 or 1
-        #: Open entries, numbered ``_base`` on: the reports as they came.
+        #: Open entries, numbered ``_base`` on, in columns.
         self._base = 0
-        self._reports: list = []
+        self._open_keys: list = []
+        self._open_starts = array("d")
+        self._open_stops = array("d")
         self._open_workers: list = []
         self._open_ok = bytearray()
         #: Entries recorded since the start (the next entry's sequence number).
@@ -112,7 +115,7 @@ class TaskStream:
             self._skip_to(self.total + n - self.maxlen)
             reports = reports[-self.maxlen:]
             n = self.maxlen
-        self._reports += reports
+        _take_columns(reports, self._open_keys, self._open_starts, self._open_stops)
         self._open_workers += repeat(worker, n)
         self._open_ok += (b"\x01" if ok else b"\x00") * n
         self.total += n
@@ -123,7 +126,7 @@ class TaskStream:
             end += chunk
 
     def pack(self) -> None:
-        """Pack the open entries now (a part of a chunk), so that no report is held."""
+        """Pack the open entries now (a part of a chunk), so that no key object is held."""
         if self.total > self._base:
             self._seal(self.total)
 
@@ -131,7 +134,9 @@ class TaskStream:
         """Drop everything before ``seq``; the open entries start at its chunk."""
         self._base = seq - seq % self.chunk
         pad = seq - self._base
-        self._reports = [_GONE] * pad
+        self._open_keys = [None] * pad
+        self._open_starts = array("d", repeat(_NAN, pad))
+        self._open_stops = array("d", repeat(_NAN, pad))
         self._open_workers = [None] * pad
         self._open_ok = bytearray(pad)
         self.total = seq
@@ -140,10 +145,12 @@ class TaskStream:
         """Pack the open entries before ``end`` into their chunk (the one ``_base`` is
         in), with what of that chunk an earlier `pack` packed."""
         n = end - self._base
-        keys, times = _columns(self._reports[:n])
+        keys = self._open_keys[:n]
+        times = self._open_starts[:n] + self._open_stops[:n]
         workers = tuple(self._open_workers[:n])
         ok = bytes(self._open_ok[:n])
-        del self._reports[:n], self._open_workers[:n], self._open_ok[:n]
+        del self._open_keys[:n], self._open_starts[:n], self._open_stops[:n]
+        del self._open_workers[:n], self._open_ok[:n]
         slot = self._base // self.chunk % self._slots
         if self._base % self.chunk:  # a part of this chunk is packed already
             had = array("d")
@@ -164,13 +171,15 @@ class TaskStream:
         ok)``."""
         if seq >= self._base:
             i = seq - self._base
-            msg = self._reports[i]
-            return (msg.get("key"), self._open_workers[i], msg.get("start"),
-                    msg.get("stop"), self._open_ok[i] == 1)
+            return (self._open_keys[i], self._open_workers[i], self._open_starts[i],
+                    self._open_stops[i], self._open_ok[i] == 1)
         chunk, i = divmod(seq, self.chunk)
         slot = chunk % self._slots
-        ok, times = self._ok[slot], self._times[slot]
-        return (_unpack_key(self._keys[slot], self._key_ends[slot], i),
+        ok, times, blob = self._ok[slot], self._times[slot], self._keys[slot]
+        ends = self._key_ends[slot]
+        if ends is None and type(blob) is bytes:
+            ends = self._key_ends[slot] = _msgpack_ends(blob)
+        return (_unpack_key(blob, ends, i),
                 self._workers[slot][i], unpack_from("d", times, 8 * i)[0],
                 unpack_from("d", times, 8 * (len(ok) + i))[0], ok[i] == 1)
 
@@ -250,43 +259,59 @@ class TaskStream:
         return out
 
 
-def _columns(reports: list) -> tuple:
-    """``(keys, times)`` of these reports: a list, and an array of their starts then
-    their stops (a time that is not a number becomes NaN, which readers drop)."""
+def _take_columns(reports: list, keys: list, starts: array, stops: array) -> None:
+    """Append the reports' keys, start times and stop times to these columns (a time
+    that is not a number becomes NaN, which readers drop)."""
+    had = len(keys)
     try:
-        keys = list(map(_KEY, reports))
-        times = array("d", map(_START, reports))
-        times.extend(map(_STOP, reports))
+        keys += map(_KEY, reports)
+        starts.extend(map(_START, reports))
+        stops.extend(map(_STOP, reports))
     except (KeyError, TypeError, OverflowError):  # a report without its times, or odd
-        keys = [msg.get("key") for msg in reports]
-        times = array("d", [_as_float(msg.get(name)) for name in ("start", "stop")
-                            for msg in reports])
-    return keys, times
+        del keys[had:], starts[had:], stops[had:]
+        keys += [msg.get("key") for msg in reports]
+        starts.extend([_as_float(msg.get("start")) for msg in reports])
+        stops.extend([_as_float(msg.get("stop")) for msg in reports])
 
 
 def _pack_keys(keys: list) -> tuple:
     """``(blob, ends)``: the keys in one blob, and where each one ends in it (offsets as
-    uint32 bytes, a 0 first), so that one key is read without the others. str keys are
-    joined as they are; other keys are packed by msgpack one by one (a dask key is a
-    tuple); keys msgpack cannot carry are kept as a tuple (``ends`` None)."""
+    uint32 bytes, the first key's start first), so that one key is read without the
+    others. str keys are joined as they are. Other keys (a dask key is a tuple) are
+    packed by msgpack as one array, and their ends are None until a read needs them
+    (`_msgpack_ends`): most chunks are never read, and packing a chunk in one call costs
+    half what packing its keys one by one does. Keys msgpack cannot carry are kept as a
+    tuple."""
     try:
         blob = "".join(keys)
-        parts = keys
     except TypeError:  # not all str
         try:
-            parts = list(map(_PACKER.pack, keys))
+            return _PACKER.pack(keys), None
         except (TypeError, ValueError, OverflowError):
             _PACKER.reset()
             return tuple(keys), None
-        blob = b"".join(parts)
     ends = array("I", [0])
-    ends.extend(accumulate(map(len, parts)))
+    ends.extend(accumulate(map(len, keys)))
     return blob, ends.tobytes()
 
 
+def _msgpack_ends(blob: bytes) -> bytes:
+    """The ends, as `_pack_keys` gives them for str keys, of the keys in a msgpack
+    array: found by skipping over each key, none of them built."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(blob), 1))
+    unpacker.feed(blob)
+    n = unpacker.read_array_header()
+    skip, tell = unpacker.skip, unpacker.tell
+    ends = array("I", [tell()])
+    for _ in range(n):
+        skip()
+        ends.append(tell())
+    return ends.tobytes()
+
+
 def _unpack_key(blob, ends, i: int):
-    """Key ``i`` of a blob `_pack_keys` made."""
-    if ends is None:
+    """Key ``i`` of a blob `_pack_keys` made (with its ends, if it is msgpack's)."""
+    if type(blob) is tuple:
         return blob[i]
     start, stop = unpack_from("2I", ends, 4 * i)
     if type(blob) is str:
@@ -297,16 +322,13 @@ def _unpack_key(blob, ends, i: int):
 
 def _unpack_keys(blob, ends) -> list:
     """Every key of a blob `_pack_keys` made."""
-    if ends is None:
+    if type(blob) is tuple:
         return list(blob)
     if type(blob) is str:
         offsets = array("I")
         offsets.frombytes(ends)
         return [blob[start:stop] for start, stop in pairwise(offsets)]
-    unpacker = msgpack.Unpacker(use_list=False, raw=False, strict_map_key=False,
-                                max_buffer_size=max(len(blob), 1))
-    unpacker.feed(blob)
-    return list(unpacker)
+    return list(msgpack.unpackb(blob, use_list=False, raw=False, strict_map_key=False))
 
 
 def _as_float(value) -> float:

@@ -130,11 +130,11 @@ def snapshot(state) -> dict:
                       for address, ws in state.departing.items()},
         "clients": {client: _keys(cs.wants_what) for client, cs in state.clients.items()},
         "idle": list(state.idle),
-        "queued": (state.n_queued, [entry[:4] + (entry[4].key,) for entry in state.queued]),
+        "queued": (state.n_queued, [ts.key for ts in state.queued]),
         "unrunnable": [ts.key for ts in state.unrunnable],
         "prefixes": {name: (p.duration_average, p.n_durations)
                      for name, p in state.prefixes.items()},
-        "counters": (state.transition_counter, state.generation, state.queue_seq,
+        "counters": (state.transition_counter, state.generation,
                      state.counters(), state.prefix_counts(every=True),
                      state.worker_counts()),
         "log": state.transition_log,

@@ -152,7 +152,7 @@ def test_nothing_is_kept_after_a_large_graph_is_released():
     assert sim.state.tasks == {}
     assert len(sim.state.unrunnable) == 0
     assert sim.state.n_queued == 0
-    assert not any(entry[4].state == "queued" for entry in sim.state.queued)
+    assert not any(ts.state == "queued" for ts in sim.state.queued)
     assert sim.state.task_counts() == dict.fromkeys(
         ["released", "waiting", "queued", "no-worker", "processing", "memory", "erred"], 0)
     for ws in sim.state.workers.values():

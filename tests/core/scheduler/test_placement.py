@@ -362,3 +362,40 @@ def test_allow_other_workers_does_not_relax_resources():
     sim.submit([task("t", workers=["B"], allow_other_workers=True, resources={"GPU": 1})],
                ["t"])
     assert states(sim.state) == {"t": "no-worker"}
+
+
+def test_queued_tasks_of_random_priorities_run_most_urgent_first():
+    """The queue's heap (tasks themselves, ordered by their priority) gives every queued
+    task in priority order, however they came; validation checks the heap's order."""
+    import random
+
+    rng = random.Random(7)
+    sim = Sim(worker_saturation=1.0)
+    sim.add_worker("A", 1)
+    sim.submit([task("r0")], ["r0"])
+    priorities = {f"q{i}": rng.randrange(-5, 6) for i in range(300)}
+    for start in range(0, 300, 70):  # several graphs: generation breaks equal priorities
+        part = list(priorities)[start:start + 70]
+        sim.submit([task(k, priority=priorities[k]) for k in part], part)
+    ran = []
+    done = "r0"
+    while True:
+        _, worker_msgs = sim.finish(done)
+        if not worker_msgs.get("A"):
+            break
+        done = worker_msgs["A"][0]["key"]
+        ran.append(done)
+    position = {key: i for i, key in enumerate(priorities)}
+    assert ran == sorted(priorities, key=lambda k: (-priorities[k], position[k] // 70,
+                                                     position[k]))
+
+
+def test_validation_finds_a_queue_heap_out_of_order():
+    from distributed_core import InvariantError
+
+    sim, keys = queued_roots(40)
+    heap = sim.state.queued
+    assert len(heap) > 3
+    heap[0], heap[-1] = heap[-1], heap[0]
+    with pytest.raises(InvariantError, match="out of order"):
+        sim.state.validate_state()

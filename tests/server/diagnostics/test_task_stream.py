@@ -173,19 +173,22 @@ def test_a_sample_after_wrap_around_unpacks_only_the_keys_it_returns(monkeypatch
     assert unpacks.count == sum(e.seq < stream._base for e in entries)
 
 
-def test_packed_entries_hold_no_report_and_read_as_they_came():
-    """Once packed (a full chunk, or `pack` before a trim), no report is held: the
-    entries are in a few large buffers, and read back with their keys' own types."""
+def test_no_report_is_held_and_packed_entries_read_as_they_came():
+    """No report is held (its fields are taken when it comes); once packed (a full
+    chunk, or `pack` before a trim) not even its key is: the entries are in a few large
+    buffers, and read back with their keys' own types."""
     import sys
 
     keys = ["plain", ("x", 1, 2), b"raw", 7, ("nested", ("a", 0))]
     batch = [{"key": key, "start": 1.0 + i, "stop": 2.0 + i} for i, key in enumerate(keys)]
     held = [sys.getrefcount(msg) for msg in batch]
+    held_keys = [sys.getrefcount(key) for key in keys]
     stream = TaskStream()
     stream.record("w", batch, True)
-    assert [sys.getrefcount(msg) for msg in batch] == [n + 1 for n in held]
-    stream.pack()
     assert [sys.getrefcount(msg) for msg in batch] == held
+    assert [sys.getrefcount(key) for key in keys] == [n + 1 for n in held_keys]
+    stream.pack()
+    assert [sys.getrefcount(key) for key in keys] == held_keys
     stream.record("w2", [{"key": "after", "start": 9.0, "stop": 9.5}], False)
     stream.pack()  # merges into the chunk packed before
     entries = stream.after(0)[0]
@@ -203,3 +206,23 @@ def test_keys_msgpack_cannot_carry_are_kept_as_they_are():
     stream = TaskStream(maxlen=4)
     stream.record("w", [{"key": odd, "start": 1.0, "stop": 2.0}] * 6, True)
     assert [e[1] for e in stream.after(0)[0]] == [odd] * 4
+
+
+def test_keys_that_are_not_str_are_found_when_first_read(monkeypatch):
+    """A chunk of tuple keys is packed without where each key ends; the first read in
+    it finds them (once) and unpacks only the key it returns."""
+    stream = TaskStream(maxlen=4096)
+    batch = [{"key": ("x", i), "start": 1.0, "stop": 2.0} for i in range(3000)]
+    stream.record("w", batch, True)
+    packed = stream._base // stream.chunk
+    assert packed == 2 and stream._key_ends[:packed] == [None, None]
+    unpacks = CountingUnpacks(monkeypatch)
+    entries = stream.after(1030, limit=1, sample=True)[0]
+    assert [(e.seq, e[1]) for e in entries] == [(2999, ("x", 2999))]
+    assert unpacks.count == 0 and stream._key_ends[:packed] == [None, None]  # open
+    first = stream._raw(1030)
+    ends = stream._key_ends[1]
+    assert first[0] == ("x", 1030) and ends is not None and stream._key_ends[0] is None
+    assert stream._raw(2047)[0] == ("x", 2047) and stream._key_ends[1] is ends
+    assert unpacks.count == 2
+    assert [e[1] for e in stream.window()] == [("x", i) for i in range(3000)]
