@@ -48,8 +48,9 @@ class HeapTrimmer:
     the most held since the last trim) are gone, or once almost all are (a tail smaller
     than ``after``).
 
-    A trim with at most ``collect_below`` tasks still held, after ``collect_after`` or
-    more were held, runs a full collection first.
+    Once at most ``collect_below`` tasks are held, after ``collect_after`` or more were,
+    it trims at once (however few tasks the last step freed), with a full collection
+    first.
     Not for the cycles (the scheduler's `gc_pauses.LoopCollector` frees those by its
     thresholds) but for the interpreter's free lists, which only a full collection
     empties: the last few thousand tuples, dicts and floats that a release freed stay in
@@ -87,13 +88,19 @@ class HeapTrimmer:
         if n_tasks > self.high:
             self.high = n_tasks
             return False
-        gone = self.high - n_tasks
-        if gone < self.after and (gone < self.after // 10 or n_tasks * 16 > self.high):
+        self.high, high = n_tasks, self.high
+        if n_tasks <= self.collect_below and self.peak >= self.collect_after:
+            # however few the last step freed: a trim just before may have left
+            # a little over collect_below (a big job's release ends in steps of thousands)
+            self._trim(collect=True)
+            self._owed = SETTLE_TRIMS
+            return True
+        gone = high - n_tasks
+        if gone < self.after and (gone < self.after // 10 or n_tasks * 16 > high):
+            self.high = high
             return False
-        self.high = n_tasks
-        collect = n_tasks <= self.collect_below and self.peak >= self.collect_after
-        self._trim(collect)
-        self._owed = SETTLE_TRIMS if collect else 0
+        self._trim(collect=False)
+        self._owed = 0
         return True
 
     def settle(self, n_tasks: int) -> bool:

@@ -86,3 +86,18 @@ def test_a_small_job_is_trimmed_without_a_collection(monkeypatch):
     for n in (100_000, 0):  # a big one after it collects
         trimmer.held(n)
     assert calls == ["trim", "collect", "trim"]
+
+
+def test_the_collection_comes_however_small_the_last_step_of_a_big_release(monkeypatch):
+    """A big release ends in steps of thousands of tasks: a trim may leave a little
+    over ``collect_below``, and the rest then goes in a step too small for a trim of
+    its own. The collecting trim still comes once few tasks are left."""
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
+    for n in (1_000_000, 50_000, 2_000):
+        trimmer.held(n)
+    assert calls == ["trim", "trim"]  # 2,000 left: no collection yet
+    assert trimmer.held(0) and calls[2:] == ["collect", "trim"]
+    assert trimmer.settle(0) and not trimmer.held(0)  # once: nothing left to collect
