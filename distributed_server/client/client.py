@@ -96,6 +96,7 @@ import weakref
 from collections.abc import Callable
 
 from ..deploy.launch import read_scheduler_file
+from ..diagnostics.gc_pauses import collector_paused
 from ..security import Security
 from ..worker.task_context import install_client_factory
 from . import dask_graphs
@@ -582,8 +583,9 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
         # shared values go first, wanted until the last batch that needs them is sent
         shared = self._register(mapper.shared) if mapper.shared else []
         try:
-            for batch in mapper.batches(keys, batch_size or MAP_BATCH_TASKS):
-                futures.extend(self._register(batch))
+            with collector_paused():  # a Future and a KeyState a task, all kept
+                for batch in mapper.batches(keys, batch_size or MAP_BATCH_TASKS):
+                    futures.extend(self._register(batch))
         finally:
             for future in shared:
                 future.release()

@@ -420,6 +420,24 @@ def test_a_map_sends_each_batch_before_it_builds_the_next(scheduler, client, mon
     assert [len(g["tasks"]) for g in scheduler.sent("update-graph")] == [2, 2, 1]
 
 
+def test_a_map_builds_its_futures_with_the_collector_paused(scheduler, client, monkeypatch):
+    """The futures of a big map all live on: the automatic collector is off while they
+    are made (it would walk all of them again and again), and on again after."""
+    import gc
+
+    seen = []
+    register = client._register
+    monkeypatch.setattr(client, "_register",
+                        lambda tasks, *a: seen.append(gc.isenabled()) or register(tasks, *a))
+    assert gc.isenabled()
+    futures = client.map(inc, range(5), batch_size=2)
+    assert seen == [False, False, False] and gc.isenabled()
+    with pytest.raises(TypeError):
+        client.map(inc, [1, threading.Lock()], batch_size=1)  # an error on the way: on again
+    assert gc.isenabled()
+    assert client.gather(futures) == [1, 2, 3, 4, 5]
+
+
 def test_map_batches_and_shares_duplicate_keys(scheduler, client):
     futures = client.map(inc, [1, 2, 1, 3, 4], batch_size=2, key="step")
     assert client.gather(futures) == [2, 3, 2, 4, 5]
