@@ -582,10 +582,16 @@ class Client(ResultsMixin, ScatterMixin, ClusterInfoMixin, ClusterControlMixin, 
         futures: list[Future] = []
         # shared values go first, wanted until the last batch that needs them is sent
         shared = self._register(mapper.shared) if mapper.shared else []
+        ahead = None  # the previous batch's mark: the caller waits until it is written
+        paced = not self._conn.on_loop()
         try:
             with collector_paused():  # a Future and a KeyState a task, all kept
                 for batch in mapper.batches(keys, batch_size or MAP_BATCH_TASKS):
                     futures.extend(self._register(batch))
+                    if paced:
+                        while ahead is not None and not ahead.event.wait(1.0):
+                            self._check_running()  # closed meanwhile: stop waiting
+                        ahead = self._conn.mark_written()
         finally:
             for future in shared:
                 future.release()

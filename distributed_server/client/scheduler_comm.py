@@ -75,6 +75,16 @@ class GraphTurn:
             await self._waiter
 
 
+class WrittenMark:
+    """A place in the outbox: ``event`` is set once everything posted before it has been
+    handed to the kernel (or the connection is gone): `SchedulerComm.mark_written`."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+
 def log_background_failure(task) -> None:
     """Done callback of a task the client runs in the background: log its failure."""
     if task.cancelled():
@@ -209,6 +219,10 @@ class SchedulerComm:
             if type(item) is GraphTurn:
                 item.reached()
                 return
+            if type(item) is WrittenMark:
+                outbox.popleft()
+                self._set_when_written(item.event)
+                continue
             if type(item) is KeyState:
                 run = []
                 while outbox and type(outbox[0]) is KeyState:
@@ -217,6 +231,21 @@ class SchedulerComm:
                 continue
             outbox.popleft()
             self.send_now(item)
+
+    def mark_written(self) -> WrittenMark:
+        """Post a `WrittenMark` (any thread): a caller that sends much (``Client.map``)
+        waits on one to stay a batch or two ahead of the socket, not the whole job."""
+        mark = WrittenMark()
+        self.post(mark)
+        return mark
+
+    def _set_when_written(self, event: threading.Event) -> None:
+        comm = self.comm
+        written = None if comm is None or comm.closed else comm.flush_now()
+        if written is None or written.done():
+            event.set()
+        else:  # its future also settles if the stream closes
+            written.add_done_callback(lambda _: event.set())
 
     def send_now(self, msg: dict) -> None:
         """Send at once, past the outbox (a graph's slices while it has the turn)."""

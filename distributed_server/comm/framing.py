@@ -341,6 +341,14 @@ class Comm:
         except StreamClosedError as e:
             raise self._closed_error() from e
 
+    def flush_now(self):
+        """Write what `send` queued now (not at the end of its window); the future of the
+        last write handed to tornado, done once it is in the kernel (None if nothing was
+        ever written)."""
+        if self._queue and not self._stream.closed():
+            self._flush()
+        return self._last_write
+
     def send(self, msg: dict) -> None:
         """Queue ``msg``; all queued messages go out together as one frame.
 

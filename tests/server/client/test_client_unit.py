@@ -438,6 +438,32 @@ def test_a_map_builds_its_futures_with_the_collector_paused(scheduler, client, m
     assert client.gather(futures) == [1, 2, 3, 4, 5]
 
 
+def test_a_map_stays_one_batch_ahead_of_the_socket(scheduler, client, monkeypatch):
+    """A big map does not queue the whole job in the client: before it builds a batch,
+    the one before the last is written to the socket."""
+    marks, seen = [], []
+    mark_written = client._conn.mark_written
+    monkeypatch.setattr(client._conn, "mark_written",
+                        lambda: marks.append(mark_written()) or marks[-1])
+    register = client._register
+    monkeypatch.setattr(client, "_register", lambda tasks, *a: seen.append(
+        [m.event.is_set() for m in marks]) or register(tasks, *a))
+    futures = client.map(inc, range(7), batch_size=2)
+    assert [len(flags) for flags in seen] == [0, 1, 2, 3] and len(marks) == 4
+    assert all(flags[:-1] == [True] * (len(flags) - 1) for flags in seen)
+    assert client.gather(futures) == list(range(1, 8))
+
+
+def test_a_written_mark_is_set_at_once_without_a_connection(client):
+    conn = client._conn
+    comm, conn.comm = conn.comm, None
+    try:
+        conn._set_when_written(event := threading.Event())
+        assert event.is_set()
+    finally:
+        conn.comm = comm
+
+
 def test_map_batches_and_shares_duplicate_keys(scheduler, client):
     futures = client.map(inc, [1, 2, 1, 3, 4], batch_size=2, key="step")
     assert client.gather(futures) == [2, 3, 2, 4, 5]

@@ -260,6 +260,24 @@ def test_a_few_sends_go_out_at_once_and_a_stream_waits_for_the_window():
     run(main())
 
 
+def test_flush_now_writes_what_waits_for_the_window_and_gives_its_future():
+    async def main():
+        recorder = Recorder()
+        listener = await listen("tcp://127.0.0.1:0", recorder, {})
+        comm = await connect(listener.address, {}, interval=10.0)
+        await comm.write([{"op": "now"}])  # starts a 10 s window
+        assert await recorder.frames.get() == [{"op": "now"}]
+        comm.send({"op": "late"})  # would wait for the window
+        written = comm.flush_now()
+        await asyncio.wait_for(written, 5)
+        assert await asyncio.wait_for(recorder.frames.get(), 5) == [{"op": "late"}]
+        assert comm.flush_now() is written  # nothing queued: the last write's
+        await comm.close()
+        await listener.stop()
+
+    run(main())
+
+
 def test_send_schedules_one_flush_and_no_task_per_message():
     async def main():
         listener = await listen("tcp://127.0.0.1:0", Recorder(), {})
