@@ -96,7 +96,6 @@ import weakref
 from collections.abc import Callable
 
 from ..deploy.launch import read_scheduler_file
-from ..diagnostics.gc_pauses import collector_paused
 from ..security import Security
 from ..worker.task_context import install_client_factory
 from . import dask_graphs
@@ -127,6 +126,7 @@ from .futures import (
     unique_states,
     wait,
 )
+from .gc_pause import collector_paused
 from .history import HistoryMixin
 from .key_table import RELEASE_BATCH_KEYS, KeyTable  # noqa: F401 - RELEASE_BATCH_KEYS: re-exported
 from .loop_thread import ClientLoopThread

@@ -393,7 +393,7 @@ def test_queued_tasks_of_random_priorities_run_most_urgent_first():
 def test_validation_finds_a_queue_heap_out_of_order():
     from distributed_core import InvariantError
 
-    sim, keys = queued_roots(40)
+    sim, _ = queued_roots(40)
     heap = sim.state.queued
     assert len(heap) > 3
     heap[0], heap[-1] = heap[-1], heap[0]

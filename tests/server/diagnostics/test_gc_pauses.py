@@ -7,12 +7,7 @@ import logging
 
 from server_helpers import fetch, metrics
 
-from distributed_server.diagnostics.gc_pauses import (
-    GC_PAUSES,
-    GCPauses,
-    LoopCollector,
-    collector_paused,
-)
+from distributed_server.diagnostics.gc_pauses import GC_PAUSES, GCPauses, LoopCollector
 from distributed_server.scheduler.server import Scheduler
 
 LOCAL = "127.0.0.1:0"
@@ -119,43 +114,3 @@ def test_worker_processes_collect_by_the_worker_thresholds(client):
     assert len(thresholds) == 2
     assert all(tuple(t) == WORKER_GC_THRESHOLDS for t in thresholds.values())
     assert gc.get_threshold() != WORKER_GC_THRESHOLDS  # the client's process is the user's
-
-
-def test_collector_paused_turns_collection_off_and_back_on_as_it_was():
-    assert gc.isenabled()
-    with collector_paused():
-        assert not gc.isenabled()
-        with collector_paused():  # nested: one pause
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with collector_paused():
-            pass
-        assert not gc.isenabled()  # it was off: left off
-    finally:
-        gc.enable()
-
-
-def test_collector_paused_in_two_threads_ends_with_the_last():
-    import threading
-
-    inside, leave, left = threading.Event(), threading.Event(), threading.Event()
-
-    def other():
-        with collector_paused():
-            inside.set()
-            leave.wait(10)
-        left.set()
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    assert inside.wait(10)
-    with collector_paused():
-        pass
-    assert not gc.isenabled()  # the other thread's block still runs
-    leave.set()
-    assert left.wait(10)
-    thread.join(10)
-    assert gc.isenabled()
