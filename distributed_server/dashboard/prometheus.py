@@ -13,7 +13,11 @@ bounded values (a task state, a task prefix, a worker address; never a key).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from distributed_core import COMPILED, __version__
@@ -101,6 +105,12 @@ def _loop_lag(prefix: str, lag):
                  "latest lag-probe timer", lag.last)
     yield _gauge(f"{prefix}_event_loop_lag_max_seconds", "The largest event-loop lag of the "
                  f"last {lag._recent.maxlen} probes ({lag.interval} s apart)", lag.recent_max)
+    yield HistogramMetricFamily(
+        f"{prefix}_event_loop_lag_probes_seconds", f"How late each lag probe ({lag.interval} "
+        "s apart) ran, since the process started",
+        buckets=[(repr(float(bound)) if bound != float("inf") else "+Inf", n)
+                 for bound, n in lag.cumulative()],
+        sum_value=lag.total)
 
 
 def _gc_pauses(prefix: str):

@@ -117,6 +117,12 @@ def test_status_json_metrics_and_task_stream_show_a_finished_task():
             assert m[("dcore_scheduler_comm_received_bytes_total", ())] > 0
             assert m[("dcore_scheduler_comm_sent_bytes_total", ())] > 0
             assert ("dcore_scheduler_event_loop_lag_seconds", ()) in m
+            lag = s.loop_lag
+            assert m[("dcore_scheduler_event_loop_lag_probes_seconds_count", ())] == \
+                m[("dcore_scheduler_event_loop_lag_probes_seconds_bucket",
+                   (("le", "+Inf"),))] <= lag.count
+            assert m[("dcore_scheduler_event_loop_lag_probes_seconds_bucket",
+                      (("le", "0.1"),))] <= lag.count
             assert ("process_cpu_seconds_total", ()) in m  # the process collector
             await worker.close()
             await client.close()

@@ -90,6 +90,10 @@ def test_loop_lag_sees_a_blocked_loop():
         monitor.stop()
         assert monitor.recent_max >= 0.15 and monitor.count >= 3
         assert monitor.total >= monitor.recent_max
+        histogram = dict(monitor.cumulative())
+        assert histogram[float("inf")] == monitor.count
+        assert histogram[0.1] <= monitor.count - 1  # the blocked probe: over 100 ms late
+        assert list(histogram.values()) == sorted(histogram.values())
 
     asyncio.run(main())
 
