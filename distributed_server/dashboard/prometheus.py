@@ -19,6 +19,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 from distributed_core import COMPILED, __version__
 
@@ -108,8 +109,7 @@ def _loop_lag(prefix: str, lag):
     yield HistogramMetricFamily(
         f"{prefix}_event_loop_lag_probes_seconds", f"How late each lag probe ({lag.interval} "
         "s apart) ran, since the process started",
-        buckets=[(repr(float(bound)) if bound != float("inf") else "+Inf", n)
-                 for bound, n in lag.cumulative()],
+        buckets=[(floatToGoString(bound), n) for bound, n in lag.cumulative()],
         sum_value=lag.total)
 
 

@@ -88,19 +88,16 @@ class HeapTrimmer:
         if n_tasks > self.high:
             self.high = n_tasks
             return False
-        self.high, high = n_tasks, self.high
-        if n_tasks <= self.collect_below and self.peak >= self.collect_after:
-            # however few the last step freed: a trim just before may have left
-            # a little over collect_below (a big job's release ends in steps of thousands)
-            self._trim(collect=True)
-            self._owed = SETTLE_TRIMS
-            return True
-        gone = high - n_tasks
-        if gone < self.after and (gone < self.after // 10 or n_tasks * 16 > high):
-            self.high = high
+        collect = n_tasks <= self.collect_below and self.peak >= self.collect_after
+        gone = self.high - n_tasks
+        # a collecting trim comes however few the last step freed: a trim just before may
+        # have left a little over collect_below (a big job's release ends in steps)
+        if not collect and gone < self.after and (gone < self.after // 10
+                                                  or n_tasks * 16 > self.high):
             return False
-        self._trim(collect=False)
-        self._owed = 0
+        self.high = n_tasks
+        self._trim(collect)
+        self._owed = SETTLE_TRIMS if collect else 0
         return True
 
     def settle(self, n_tasks: int) -> bool:

@@ -69,10 +69,12 @@ class LoopLagMonitor:
         self._handle = self._loop.call_at(self._due, self._tick)
 
     def _tick(self) -> None:
-        lag = max(self._loop.time() - self._due, 0.0)
+        self._note(max(self._loop.time() - self._due, 0.0))
+        self._arm()
+
+    def _note(self, lag: float) -> None:
         self.last = lag
         self.total += lag
         self.count += 1
         self._in_bucket[bisect_left(LAG_BUCKETS, lag)] += 1
         self._recent.append(lag)
-        self._arm()

@@ -403,6 +403,36 @@ def test_every_asset_of_the_page_is_installed_with_the_package():
         assert os.path.isfile(os.path.join(STATIC_DIR, name)), name
 
 
+def test_the_lag_histogram_counts_each_probe_in_its_bucket():
+    """/metrics's lag histogram: a probe 300 ms late is over ``le="0.1"``, one 7 s late
+    only in ``+Inf``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from distributed_server.dashboard.prometheus import _loop_lag
+    from distributed_server.diagnostics.loop_lag import LoopLagMonitor
+
+    monitor = LoopLagMonitor()
+    for lag in (0.001, 0.07, 0.1, 0.3, 7.0):
+        monitor._note(lag)
+
+    class Lag:
+        def collect(self):
+            yield from _loop_lag("p", monitor)
+
+    registry = CollectorRegistry()
+    registry.register(Lag())
+    text = generate_latest(registry).decode()
+    samples = {(s.name, s.labels.get("le")): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    buckets = {le: samples[("p_event_loop_lag_probes_seconds_bucket", le)]
+               for le in ("0.01", "0.05", "0.1", "0.25", "0.5", "5.0", "+Inf")}
+    assert buckets == {"0.01": 1, "0.05": 1, "0.1": 3, "0.25": 3, "0.5": 4, "5.0": 4,
+                       "+Inf": 5}
+    assert samples[("p_event_loop_lag_probes_seconds_count", None)] == 5
+    assert abs(samples[("p_event_loop_lag_probes_seconds_sum", None)] - 7.471) < 1e-9
+
+
 def test_figures_read_the_cores_counters_without_walking_the_tasks():
     """With a core that keeps counters (prefix_counts), a status read touches no task."""
     from distributed_server.dashboard.figures import SchedulerFigures
