@@ -1370,16 +1370,33 @@ class SchedulerState:
         self._client(client)
         return self._end()
 
-    def remove_client(self, client, stimulus_id) -> tuple:
-        """A client left: release everything it wanted and forget it."""
+    def remove_client(self, client, stimulus_id, max_keys=None) -> tuple:
+        """A client left: release everything it wanted and forget it.
+
+        ``max_keys`` (a positive int) does it in slices: this call releases at most that
+        many of its keys, and the client stays registered while it still wants some;
+        call again until it is not in ``clients``. Without it, all in one call (a client
+        that wanted millions of keys holds the scheduler for seconds)."""
         _check_str(stimulus_id, "stimulus_id")
         _check_str(client, "client")
+        if max_keys is not None and (type(max_keys) is not int
+                                     or not 1 <= max_keys <= _INT64_MAX):
+            raise InvalidStimulus(f"remove_client: max_keys must be a positive int or None, "
+                                  f"not {bounded_repr(max_keys)}")
         self._begin(stimulus_id)
         cs: ClientState = self.clients.get(client)
+        ts: TaskState
         if cs is not None:
-            for ts in list(cs.wants_what):
+            budget: cython.Py_ssize_t = max_keys if max_keys is not None else _INT64_MAX
+            wanted = []
+            for ts in cs.wants_what:
+                if len(wanted) >= budget:
+                    break
+                wanted.append(ts)
+            for ts in wanted:
                 self._drop_want(ts, cs)
-            del self.clients[client]
+            if not cs.wants_what:
+                del self.clients[client]
         return self._end()
 
     def add_worker(self, address, nthreads, stimulus_id, name=None, resources=None,

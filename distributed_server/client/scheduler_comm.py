@@ -4,8 +4,10 @@ What this module does
 ---------------------
 - `SchedulerComm` connects to the scheduler (handshake ``{"role": "client"}``; the peer
   must say it is the scheduler), sends a heartbeat every `HEARTBEAT_INTERVAL` seconds
-  (the scheduler answers each one) and gives up on a scheduler silent for longer than
-  ``scheduler_timeout``, reads the scheduler's frames and hands each message to the
+  (the scheduler answers each one, and sends its own every 5 s) and gives up on a
+  scheduler silent for longer than ``scheduler_timeout`` (judged only by a heartbeat
+  that came on time: a late one means this loop was held, and frames may wait unread),
+  reads the scheduler's frames and hands each message to the
   client's handler for its ``op``. When the connection ends it tells the client once
   (``on_lost``).
 - The outbox: everything the client says to the scheduler goes through it, in order.
@@ -137,6 +139,7 @@ class SchedulerComm:
         self._reqids = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self._last_heard = 0.0  # loop time of the last frame from the scheduler
+        self._beat_due = 0.0  # loop time the next heartbeat is due
         self._closing = False
 
     # ------------------------------------------------------------ connecting and closing
@@ -157,6 +160,7 @@ class SchedulerComm:
         self.comm = comm
         self._last_heard = loop.time()
         self._reader = loop.create_task(self._read_loop(comm))
+        self._beat_due = loop.time() + HEARTBEAT_INTERVAL
         loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
 
     async def close(self) -> None:
@@ -176,14 +180,19 @@ class SchedulerComm:
         comm = self.comm
         if self._closing or comm is None or comm.closed:
             return
-        silent = self.loop.time() - self._last_heard
-        if silent > self.scheduler_timeout:
+        now = self.loop.time()
+        silent = now - self._last_heard
+        # a beat that comes late found this loop held: what the scheduler sent meanwhile
+        # may be waiting unread, so the silence is judged at the next beat
+        on_time = now - self._beat_due < HEARTBEAT_INTERVAL
+        if silent > self.scheduler_timeout and on_time:
             logger.warning("the scheduler at %s has not answered for %.1f s",
                            self.address, silent)
             comm.abort()  # the read loop fails what is pending
             return
         with contextlib.suppress(CommClosedError):
             comm.send({"op": "heartbeat"})
+        self._beat_due = now + HEARTBEAT_INTERVAL
         self.loop.call_later(HEARTBEAT_INTERVAL, self._heartbeat)
 
     # ------------------------------------------------------------ the outbox

@@ -109,6 +109,8 @@ RELEASE_SLICE_KEYS = config.SETTINGS["scheduler.slice-keys"][1]
 FORGET_SLICE_PER_KEY = 5
 #: Seconds between the heap trimmer's looks for a trim it owes (`HeapTrimmer.settle`).
 HEAP_SETTLE_INTERVAL = 1.0
+#: Seconds between the heartbeats the scheduler sends every client (`_heartbeat_clients`).
+CLIENT_HEARTBEAT_INTERVAL = 5.0
 
 
 class Scheduler:
@@ -190,6 +192,7 @@ class Scheduler:
         self.worker_memory: dict = {}
         self._versions_here = essential()
         self.client_last_seen: dict = {}  # client id -> time.monotonic()
+        self._leaving_clients: set = set()  # gone, their keys still being released
         #: Client.restart through the nannies (restart.py), and the nanny registry
         self.restarts = RestartService(self)
         self.nanny_comms = self.restarts.nanny_comms  # nanny id -> Comm
@@ -200,6 +203,7 @@ class Scheduler:
         self._listener = None
         self._ttl_task: asyncio.Task | None = None
         self._heap_task: asyncio.Task | None = None
+        self._client_beat_task: asyncio.Task | None = None
         self._steal_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._closed = asyncio.Event()
@@ -274,6 +278,8 @@ class Scheduler:
         logs.install_buffer()
         self._ttl_task = asyncio.get_running_loop().create_task(self._check_ttl())
         self._heap_task = asyncio.get_running_loop().create_task(self._settle_heap())
+        self._client_beat_task = asyncio.get_running_loop().create_task(
+            self._heartbeat_clients())
         if self.work_stealing:
             self._steal_task = asyncio.get_running_loop().create_task(self._steal_loop())
         logger.info("scheduler at %s (core compiled: %s)", self.address, COMPILED)
@@ -310,6 +316,8 @@ class Scheduler:
             self._ttl_task.cancel()
         if self._heap_task is not None:
             self._heap_task.cancel()
+        if self._client_beat_task is not None:
+            self._client_beat_task.cancel()
         if self._steal_task is not None:
             self._steal_task.cancel()
         self.loop_lag.stop()
@@ -418,7 +426,7 @@ class Scheduler:
         client_id = comm.extra.get("client_id")
         if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID \
                 or not client_id.isprintable() or client_id in self.client_comms \
-                or client_id == COORDINATION_CLIENT:
+                or client_id in self._leaving_clients or client_id == COORDINATION_CLIENT:
             text = f"bad or duplicate client_id {bounded_repr(client_id, 100)}"
             logger.warning("refusing client from %s: %s", comm.peer_address, text)
             await refuse(comm, text)
@@ -435,10 +443,24 @@ class Scheduler:
             del self.client_comms[client_id]
             self.client_last_seen.pop(client_id, None)
             self.coordination_service.client_gone(client_id)
-            self.stimulus(client_id, "remove-client", self.state.remove_client, client_id)
+            self._leaving_clients.add(client_id)
+            try:
+                await self._remove_client(client_id)
+            finally:
+                self._leaving_clients.discard(client_id)
             logger.info("client %s left", client_id)
             if self._plugin_hooks.plugins:
                 self._plugin_hooks.call("remove_client", client=client_id)
+
+    async def _remove_client(self, client_id: str) -> None:
+        """The core's remove_client in slices of ``slice_keys`` of the keys the client
+        wanted, one stimulus each, serving every other peer in between (a client that
+        left holding ten million futures released them in one stimulus of seconds).
+        Its id stays taken until it is gone."""
+        state = self.state
+        while self.stimulus(client_id, "remove-client", state.remove_client, client_id,
+                            max_keys=self.slice_keys) and client_id in state.clients:
+            await asyncio.sleep(0)
 
     def stimulus(self, peer: str, cause: str, stimulus, *args, **kwargs) -> bool:
         """Run one stimulus of the state machine and send what it returns.
@@ -597,6 +619,16 @@ class Scheduler:
         while True:
             await asyncio.sleep(HEAP_SETTLE_INTERVAL)
             self.heap_trimmer.settle(len(self.state.tasks))
+
+    async def _heartbeat_clients(self) -> None:
+        """Every `CLIENT_HEARTBEAT_INTERVAL` seconds, tell each client the scheduler is
+        alive. A client's own heartbeat is answered only after the messages it sent
+        before it are handled: a client that released ten million futures heard nothing
+        for 31 s while the scheduler worked through them, gave it up and disconnected."""
+        while True:
+            await asyncio.sleep(CLIENT_HEARTBEAT_INTERVAL)
+            for comm in list(self.client_comms.values()):
+                send_quietly(comm, {"op": "heartbeat"})
 
     async def _check_ttl(self) -> None:
         """Remove workers silent for longer than ``worker_ttl``, and disconnect clients

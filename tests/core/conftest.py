@@ -245,9 +245,9 @@ class Sim:
         sid = self.sid("release", stimulus_id)
         return self.record(self.state.client_releases_keys(client, keys, sid))
 
-    def remove_client(self, client: str = "c", stimulus_id=None) -> tuple:
+    def remove_client(self, client: str = "c", stimulus_id=None, max_keys=None) -> tuple:
         sid = self.sid("remove-client", stimulus_id)
-        return self.record(self.state.remove_client(client, sid))
+        return self.record(self.state.remove_client(client, sid, max_keys=max_keys))
 
     def copied(self, address: str, *keys, stimulus_id=None) -> tuple:
         """The worker at ``address`` holds the copies of ``keys`` it was asked for."""

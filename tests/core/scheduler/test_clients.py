@@ -1,6 +1,8 @@
 """Clients letting go of keys, leaving, cancelling, retrying and wanting existing keys."""
 from __future__ import annotations
 
+import pytest
+
 from core_sim import Sim, assert_refused, compute, free, freed, snapshot, states, task
 
 from distributed_core import Unauthorized
@@ -69,6 +71,47 @@ def test_remove_client_releases_everything_it_wanted():
     assert client_msgs == {}
     assert "c" not in sim.state.clients
     assert_nothing_left(sim)
+
+
+def test_remove_client_in_slices_keeps_it_until_its_last_key_is_released():
+    sim = mixed_sim()
+    wanted = len(sim.state.clients["c"].wants_what)
+    assert wanted == 5  # a, d, e, f, g
+    calls = 0
+    while "c" in sim.state.clients:
+        before = len(sim.state.clients["c"].wants_what)
+        sim.remove_client(max_keys=4)
+        calls += 1
+        if "c" in sim.state.clients:
+            assert len(sim.state.clients["c"].wants_what) == before - 4
+    assert calls == 2
+    assert_nothing_left(sim)
+
+
+def test_remove_client_in_slices_ends_as_in_one_call():
+    sliced, whole = mixed_sim(), mixed_sim()
+    while "c" in sliced.state.clients:
+        sliced.remove_client(max_keys=1)
+    whole.remove_client()
+
+    # not compared: stimulus ids (the log, the last stimulus) and the count of
+    # transitions (between slices a worker a slice freed may start a task a later one
+    # releases)
+    def settled(state) -> dict:
+        return {k: v for k, v in snapshot(state).items()
+                if k not in ("log", "pending", "counters")}
+
+    assert settled(sliced.state) == settled(whole.state)
+    assert_nothing_left(sliced)
+    assert sliced.data == whole.data and sliced.computing == whole.computing
+
+
+@pytest.mark.parametrize("max_keys", [0, -1, 1.5, "3", True])
+def test_remove_client_refuses_a_bad_slice_size_and_changes_nothing(max_keys):
+    sim = mixed_sim()
+    assert_refused(sim.state, lambda: sim.state.remove_client("c", "bye", max_keys=max_keys),
+                   match="max_keys must be a positive int or None")
+    assert len(sim.state.clients["c"].wants_what) == 5
 
 
 def test_released_key_another_client_wants_is_kept():

@@ -10,6 +10,7 @@ encoded (slices, frontier keys, annotations, keys).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -27,6 +28,7 @@ dd = pytest.importorskip("dask.dataframe")
 np = pytest.importorskip("numpy")
 pd = pytest.importorskip("pandas")
 
+from dask._task_spec import Task
 from dask.delayed import Delayed
 from server_helpers import wait_until_no_tasks, workers_of
 
@@ -225,6 +227,23 @@ def test_specs_of_wrapped_numpy_functions_leave_numpy_docstrings_behind():
     assert rebuilt.func.func.__name__ == curry.__name__
     np.testing.assert_array_equal(rebuilt({}), np.ones(1))
     assert pickler.by_value == 0
+
+
+def test_task_nodes_pickle_to_the_bytes_of_the_default_reduction():
+    # the Task reducer reads the state in one C call; what it writes must not change
+    graph = dask_support.materialize((da.ones(8, chunks=2) + 1).sum()).nodes
+    pickler = dask_support.SpecPickler()
+    assert Task in pickler._plain.dispatch_table
+    for key, node in graph.items():
+        default = io.BytesIO()
+        plain = pickle.Pickler(default, protocol=5)
+        plain.dispatch_table = {
+            typ: reduce for typ, reduce in pickler._plain.dispatch_table.items()
+            if typ is not Task}
+        plain.dump(node)
+        assert pickler.dumps(node) == default.getvalue(), key
+    total = [key for key in graph if key[0].startswith("sum-aggregate")][0]
+    assert pickle.loads(pickler.dumps(graph[total])).key == graph[total].key
 
 
 # ---------------------------------------------------------------- dask.array

@@ -236,6 +236,25 @@ def test_a_stopped_scheduler_is_noticed_by_the_client_within_its_timeout(monkeyp
             scheduler.send_signal(signal.SIGCONT)
 
 
+def test_a_client_whose_own_loop_was_held_keeps_a_live_scheduler(monkeypatch, caplog):
+    """The client's loop thread is held for longer than its timeout (a callback of
+    seconds): the scheduler's frames wait unread meanwhile, so the late heartbeat does
+    not count the silence, and the client goes on."""
+    from distributed_server.client import scheduler_comm as client_comm
+
+    monkeypatch.setattr(client_comm, "HEARTBEAT_INTERVAL", 0.2)
+    with LocalCluster(n_workers=1, threads_per_worker=1) as cluster, \
+            Client(cluster, set_as_default=False, scheduler_timeout=1.0) as client:
+        assert client.submit(slow_square, 3).result(timeout=30) == 9
+        held = threading.Event()
+        client._loop.call_soon_threadsafe(lambda: (held.set(), time.sleep(2.0)))
+        assert held.wait(10)
+        assert client.submit(slow_square, 4, pure=False).result(timeout=30) == 16
+        time.sleep(0.5)  # a few more heartbeats, on time
+        assert client.submit(slow_square, 5, pure=False).result(timeout=30) == 25
+    assert "has not answered" not in caplog.text
+
+
 def test_a_stopped_scheduler_is_noticed_by_its_worker_within_its_timeout(tmp_path):
     """SIGSTOP the scheduler: the worker, hearing nothing for --scheduler-timeout, drops
     the connection, fails to register again within --reconnect-timeout, and exits with

@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from distributed_server.comm import CommClosedError, connect, parse_address
+from distributed_server.scheduler import server as scheduler_server
 from distributed_server.scheduler.server import Scheduler
 
 pytestmark = pytest.mark.timeout(60)
@@ -389,6 +390,61 @@ def test_a_huge_release_is_applied_in_slices_and_others_are_served_meanwhile():
             assert 1 < seen < n + 1  # answered while the release was under way
             while len(s.state.tasks) > 1:
                 await asyncio.sleep(0.01)
+
+    run(main())
+
+
+def test_a_client_that_leaves_holding_many_keys_is_removed_in_slices():
+    """Its keys are released ``slice_keys`` at a time, one stimulus each, with every
+    other peer served in between; its id stays taken until it is gone."""
+    n = 60_000
+
+    async def main():
+        async with Scheduler(validate=False) as s:
+            big, other, keys, _worker_comm = await _holding_many(s, n)
+            removals = []
+            stimulus = s.stimulus
+
+            def counted(peer, cause, *args, **kwargs):
+                if cause == "remove-client":
+                    removals.append(kwargs.get("max_keys"))
+                return stimulus(peer, cause, *args, **kwargs)
+
+            s.stimulus = counted
+            big.abort()
+            while "big" in s.client_comms:
+                await asyncio.sleep(0)
+            seen = (await _request(other, "identity"))["n_tasks"]
+            assert 1 < seen < n + 1  # answered while the client was being removed
+            assert "big" in s.state.clients
+            while "big" in s.state.clients or s.state.tasks:
+                await asyncio.sleep(0.01)
+            assert removals == [s.slice_keys] * -(-n // s.slice_keys)
+
+    run(main())
+
+
+def test_a_leaving_clients_id_is_refused_until_it_is_gone():
+    async def main():
+        async with Scheduler(validate=True) as s:
+            s._leaving_clients.add("big")
+            assert await _closed(await _client(s, "big"))
+            s._leaving_clients.discard("big")
+            c = await _client(s, "big")
+            assert (await _request(c, "identity"))["n_tasks"] == 0
+
+    run(main())
+
+
+def test_the_scheduler_tells_a_busy_client_it_is_alive(monkeypatch):
+    """A client's heartbeat waits behind the messages it sent before; the scheduler's
+    own heartbeats do not."""
+    monkeypatch.setattr(scheduler_server, "CLIENT_HEARTBEAT_INTERVAL", 0.05)
+
+    async def main():
+        async with Scheduler(validate=False) as s:
+            c = await _client(s)
+            assert (await _read_op(c, "heartbeat")) == {"op": "heartbeat"}
 
     run(main())
 
