@@ -76,7 +76,8 @@ class PackedLines:
     preallocated chunk; a full chunk becomes one bytes object (big enough for the system's
     allocator, which returns it page by page) and the oldest chunks fall out. The counts
     it keeps are in an array and in small ints (cached by CPython), so adding a line
-    leaves no new small object behind either.
+    leaves no new small object behind either. Not thread-safe: `LogBuffer` calls it
+    under its handler's lock.
     """
 
     CHUNK_BYTES = 16_384
