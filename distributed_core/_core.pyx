@@ -1184,6 +1184,18 @@ def _check_new_task(key, entry: dict) -> None:
                          f"{bounded_repr(annotations)}")
 
 
+@cython.cfunc
+def _first_wanted(cs: ClientState, n: cython.Py_ssize_t) -> list:
+    """The first ``n`` (at most) tasks ``cs`` wants, in its set's order (a list: the
+    caller drops them from the set)."""
+    wanted: list = []
+    for ts in cs.wants_what:
+        if len(wanted) >= n:
+            break
+        wanted.append(ts)
+    return wanted
+
+
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
 @cython.final
 @cython.cclass
@@ -1388,12 +1400,7 @@ class SchedulerState:
         ts: TaskState
         if cs is not None:
             budget: cython.Py_ssize_t = max_keys if max_keys is not None else _INT64_MAX
-            wanted = []
-            for ts in cs.wants_what:
-                if len(wanted) >= budget:
-                    break
-                wanted.append(ts)
-            for ts in wanted:
+            for ts in _first_wanted(cs, budget):
                 self._drop_want(ts, cs)
             if not cs.wants_what:
                 del self.clients[client]
@@ -1900,11 +1907,7 @@ class SchedulerState:
                 break
             if not cs.wants_what:
                 continue
-            wanted = []
-            for ts in cs.wants_what:
-                if len(wanted) >= budget:
-                    break
-                wanted.append(ts)
+            wanted = _first_wanted(cs, budget)
             budget -= len(wanted)
             self._send_client(cs, {"op": "cancelled-keys", "keys": [ts.key for ts in wanted],
                                    "reason": RESTART_REASON})

@@ -14,7 +14,8 @@ What this module does
 - `LogBuffer` is a `logging.Handler` that keeps the last `BUFFER_LINES` formatted lines
   in memory (packed in chunks of bytes: old chunks fall out, memory stays bounded).
   The scheduler and every worker install one (`install_buffer`), and the client reads
-  it over the existing connections (``Client.get_scheduler_logs``, ``Client.get_worker_logs``).
+  it over the existing connections (``Client.get_scheduler_logs``,
+  ``Client.get_worker_logs``).
 
 What it never does
 ------------------
@@ -34,9 +35,9 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["BUFFER_LINES", "FORMAT", "LogBuffer", "PackedLines", "QuietLog", "buffer", "check_line_count",
-           "claim_address", "configure", "install_buffer", "level_of", "recent_lines",
-           "set_identity"]
+__all__ = ["BUFFER_LINES", "FORMAT", "LogBuffer", "PackedLines", "QuietLog", "buffer",
+           "check_line_count", "claim_address", "configure", "install_buffer", "level_of",
+           "recent_lines", "set_identity"]
 
 #: Lines a process keeps in memory for `Client.get_scheduler_logs` / `get_worker_logs`.
 BUFFER_LINES = 10_000

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from core_sim import Sim, assert_refused, compute, free, freed, snapshot, states, task
 
 from distributed_core import Unauthorized

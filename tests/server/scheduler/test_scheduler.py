@@ -401,7 +401,7 @@ def test_a_client_that_leaves_holding_many_keys_is_removed_in_slices():
 
     async def main():
         async with Scheduler(validate=False) as s:
-            big, other, keys, _worker_comm = await _holding_many(s, n)
+            big, other, _keys, _worker_comm = await _holding_many(s, n)
             removals = []
             stimulus = s.stimulus
 
@@ -436,9 +436,9 @@ def test_a_leaving_clients_id_is_refused_until_it_is_gone():
     run(main())
 
 
-def test_the_scheduler_tells_a_busy_client_it_is_alive(monkeypatch):
+def test_the_scheduler_sends_a_client_heartbeats_it_did_not_ask_for(monkeypatch):
     """A client's heartbeat waits behind the messages it sent before; the scheduler's
-    own heartbeats do not."""
+    own heartbeats do not (this client sends nothing)."""
     monkeypatch.setattr(scheduler_server, "CLIENT_HEARTBEAT_INTERVAL", 0.05)
 
     async def main():
