@@ -1,15 +1,17 @@
 """Build the distributed_core extensions, each from its one .pyx source: _core (the
-scheduler's state machine) and _worker_core (a worker's).
+scheduler's state machine) and _worker_core (a worker's); and one small C extension of
+the shell, distributed_server.diagnostics.pool_pages (gives the small-object allocator's
+empty pools back to the OS after a big release; the interpreted install goes without).
 
 DISTRIBUTED_CORE_PURE=1              build no extension (the interpreted fallback)
-DISTRIBUTED_CORE_REQUIRE_COMPILED=1  a failed compile of either extension fails the
+DISTRIBUTED_CORE_REQUIRE_COMPILED=1  a failed compile of any extension fails the
                                      install instead of silently installing the slow
                                      variant
 """
 import os
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -49,6 +51,8 @@ class OptionalBuildExt(build_ext):
 def _extensions():
     if PURE:
         return []
+    pool_pages = Extension("distributed_server.diagnostics.pool_pages",
+                           ["distributed_server/diagnostics/pool_pages.c"])
     try:
         from Cython.Build import cythonize
     except ImportError:
@@ -56,11 +60,11 @@ def _extensions():
             raise
         print("WARNING: Cython is not installed; installing the interpreted core",
               file=sys.stderr)
-        return []
+        return [pool_pages]
     return cythonize(
         ["distributed_core/_core.pyx", "distributed_core/_worker_core.pyx"],
         compiler_directives={"language_level": 3},
-    )
+    ) + [pool_pages]
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -5,6 +5,11 @@ the freed pages of its heap mapped (only the top of the heap is returned by itse
 the process's RSS stays near its peak. ``malloc_trim(0)`` returns every free page of the
 heap. `HeapTrimmer` calls it after the scheduler has forgotten many tasks since its last
 call; without glibc (another libc, another OS) it does nothing.
+
+The small-object allocator's arenas are not glibc's heap: an arena goes back to the
+system only once every pool in it is empty, and a few objects that outlive the release
+keep many arenas mapped. `release_empty_pools` gives back the pages of their empty pools
+(the compiled extension ``pool_pages``; the interpreted install goes without it).
 """
 from __future__ import annotations
 
@@ -36,6 +41,23 @@ def _load_malloc_trim():
 
 
 _MALLOC_TRIM = _load_malloc_trim()
+
+try:
+    from . import pool_pages
+except ImportError:  # the interpreted install: no compiled extension
+    pool_pages = None
+
+
+def track_arenas() -> bool:
+    """Make the allocator's arenas known from now on to `release_empty_pools`
+    (process-wide, idempotent); False where that cannot be done."""
+    return pool_pages is not None and pool_pages.install()
+
+
+def release_empty_pools() -> int:
+    """Give back the pages of the empty pools of the arenas known since `track_arenas`
+    (all but each pool's first page); the bytes given back."""
+    return 0 if pool_pages is None else pool_pages.release()
 
 
 def trim_heap() -> bool:
@@ -80,6 +102,9 @@ class HeapTrimmer:
         self.seconds = 0.0  # spent trimming, in all
         self.longest = 0.0  # the longest single trim
         self._owed = 0  # trims owed to `settle` after a trim that left few tasks
+        #: Bytes of empty pools given back by the collecting trims, in all.
+        self.pool_bytes = 0
+        track_arenas()
 
     def held(self, n_tasks: int) -> bool:
         """Tell it ``n_tasks`` are held now; True if it trimmed the heap."""
@@ -121,6 +146,8 @@ class HeapTrimmer:
         if collect:
             gc.collect()
             self.peak = 0
+            # only with few tasks held: it reads one header per pool of every arena
+            self.pool_bytes += release_empty_pools()
         trim_heap()
         took = time.perf_counter() - started
         self.seconds += took

@@ -101,3 +101,17 @@ def test_the_collection_comes_however_small_the_last_step_of_a_big_release(monke
     assert calls == ["trim", "trim"]  # 2,000 left: no collection yet
     assert trimmer.held(0) and calls[2:] == ["collect", "trim"]
     assert trimmer.settle(0) and not trimmer.held(0)  # once: nothing left to collect
+
+
+def test_a_collecting_trim_gives_back_the_empty_pools_and_counts_their_bytes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(heap_trim, "release_empty_pools",
+                        lambda: calls.append("pools") or 12_288)
+    trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
+    for n in (1_000_000, 900_000):
+        trimmer.held(n)
+    assert calls == ["trim"] and trimmer.pool_bytes == 0  # many tasks held: not yet
+    trimmer.held(0)
+    assert calls[1:] == ["collect", "pools", "trim"] and trimmer.pool_bytes == 12_288
