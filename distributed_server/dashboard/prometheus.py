@@ -213,6 +213,9 @@ class SchedulerCollector:
                        "back to the operating system after big releases", trimmer.seconds)
         yield _gauge(f"{p}_heap_trim_max_seconds", "The longest single heap trim",
                      trimmer.longest)
+        yield _counter(f"{p}_empty_pool_bytes_released", "Bytes of the small-object "
+                       "allocator's empty pools given back to the operating system",
+                       trimmer.pool_bytes)
         yield from _traffic(p)
 
 

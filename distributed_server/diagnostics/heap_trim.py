@@ -27,6 +27,9 @@ COLLECT_BELOW_TASKS = 1_024
 COLLECT_AFTER_TASKS = 100_000
 #: Trims (with a collection), a second apart, that follow a trim which left few tasks.
 SETTLE_TRIMS = 3
+#: Empty pools given back at most in one step (about 2 us each: one system call): one
+#: step in a collecting trim, then one a second (`settle`) until none is left.
+POOL_STEP = 4_096
 
 
 def _load_malloc_trim():
@@ -54,10 +57,11 @@ def track_arenas() -> bool:
     return pool_pages is not None and pool_pages.install()
 
 
-def release_empty_pools() -> int:
+def release_empty_pools(max_pools: int = -1) -> tuple[int, bool]:
     """Give back the pages of the empty pools of the arenas known since `track_arenas`
-    (all but each pool's first page); the bytes given back."""
-    return 0 if pool_pages is None else pool_pages.release()
+    (all but each pool's first page), at most ``max_pools`` of them (negative: all):
+    ``(bytes given back, whether all are given back now)``."""
+    return (0, True) if pool_pages is None else pool_pages.release(max_pools)
 
 
 def trim_heap() -> bool:
@@ -102,8 +106,9 @@ class HeapTrimmer:
         self.seconds = 0.0  # spent trimming, in all
         self.longest = 0.0  # the longest single trim
         self._owed = 0  # trims owed to `settle` after a trim that left few tasks
-        #: Bytes of empty pools given back by the collecting trims, in all.
+        #: Bytes of empty pools given back after collecting trims, in all.
         self.pool_bytes = 0
+        self._pools_owed = False  # empty pools still to give back (more than a step)
         track_arenas()
 
     def held(self, n_tasks: int) -> bool:
@@ -127,12 +132,17 @@ class HeapTrimmer:
 
     def settle(self, n_tasks: int) -> bool:
         """Called about once a second: after a trim that left few tasks, trim (with a
-        collection) again, ``SETTLE_TRIMS`` times, while few are held. True if it
+        collection) again, ``SETTLE_TRIMS`` times, while few are held; once those are
+        done, give back `POOL_STEP` more empty pools while some are left. True if it
         trimmed."""
-        if not self._owed:
-            return False
         if n_tasks > self.collect_below:
             self._owed = 0
+            return False
+        if not self._owed:
+            if self._pools_owed:
+                started = time.perf_counter()
+                self._release_pools()
+                self._timed(started)
             return False
         self._owed -= 1
         self._trim(collect=True)
@@ -147,8 +157,16 @@ class HeapTrimmer:
             gc.collect()
             self.peak = 0
             # only with few tasks held: it reads one header per pool of every arena
-            self.pool_bytes += release_empty_pools()
+            self._release_pools()
         trim_heap()
+        self._timed(started)
+
+    def _release_pools(self) -> None:
+        got, done = release_empty_pools(POOL_STEP)
+        self.pool_bytes += got
+        self._pools_owed = not done
+
+    def _timed(self, started: float) -> None:
         took = time.perf_counter() - started
         self.seconds += took
         self.longest = max(self.longest, took)

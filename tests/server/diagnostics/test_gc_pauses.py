@@ -58,6 +58,7 @@ def test_the_scheduler_metrics_show_gc_pauses_once_timed():
                 not in m
             assert m[("dcore_scheduler_heap_trim_seconds_total", ())] == 0.0
             assert m[("dcore_scheduler_heap_trim_max_seconds", ())] == 0.0
+            assert m[("dcore_scheduler_empty_pool_bytes_released_total", ())] == 0.0
             GC_PAUSES.install()
             try:
                 gc.collect(2)

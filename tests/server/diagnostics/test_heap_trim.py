@@ -1,6 +1,14 @@
 """HeapTrimmer: when the scheduler gives freed heap memory back (malloc_trim)."""
+import pytest
+
 from distributed_server.diagnostics import heap_trim
 from distributed_server.diagnostics.heap_trim import HeapTrimmer
+
+
+@pytest.fixture(autouse=True)
+def no_empty_pools(monkeypatch):
+    """The trimmer's logic alone: the process's own empty pools stay where they are."""
+    monkeypatch.setattr(heap_trim, "release_empty_pools", lambda max_pools=-1: (0, True))
 
 
 def test_a_big_release_trims_every_after_tasks_and_at_its_end():
@@ -107,11 +115,48 @@ def test_a_collecting_trim_gives_back_the_empty_pools_and_counts_their_bytes(mon
     calls = []
     monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
     monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
-    monkeypatch.setattr(heap_trim, "release_empty_pools",
-                        lambda: calls.append("pools") or 12_288)
+    left = [3]  # steps until every empty pool is given back
+
+    def release(max_pools=-1):
+        assert max_pools == heap_trim.POOL_STEP
+        calls.append("pools")
+        left[0] -= 1
+        return 12_288, left[0] <= 0
+
+    monkeypatch.setattr(heap_trim, "release_empty_pools", release)
     trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
     for n in (1_000_000, 900_000):
         trimmer.held(n)
     assert calls == ["trim"] and trimmer.pool_bytes == 0  # many tasks held: not yet
     trimmer.held(0)
     assert calls[1:] == ["collect", "pools", "trim"] and trimmer.pool_bytes == 12_288
+    del calls[:]
+    for _ in range(heap_trim.SETTLE_TRIMS):  # each settling trim takes a step too
+        assert trimmer.settle(0)
+    assert calls == ["collect", "pools", "trim"] * heap_trim.SETTLE_TRIMS
+    assert trimmer.pool_bytes == (1 + heap_trim.SETTLE_TRIMS) * 12_288
+    del calls[:]
+    assert not trimmer.settle(0) and calls == []  # none left: nothing more
+
+
+def test_empty_pools_left_after_the_settling_trims_go_a_step_a_second(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: 0)
+    left = [heap_trim.SETTLE_TRIMS + 3]
+
+    def release(max_pools=-1):
+        calls.append("pools")
+        left[0] -= 1
+        return 4096, left[0] == 0
+
+    monkeypatch.setattr(heap_trim, "release_empty_pools", release)
+    trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
+    trimmer.held(200_000)
+    trimmer.held(0)
+    for _ in range(heap_trim.SETTLE_TRIMS):
+        trimmer.settle(0)
+    del calls[:]
+    assert not trimmer.settle(5_000) and calls == []  # a new job: not while it runs
+    assert [trimmer.settle(0) for _ in range(3)] == [False] * 3 and calls == ["pools"] * 2
+    assert left == [0] and trimmer.pool_bytes == 4096 * (heap_trim.SETTLE_TRIMS + 3)

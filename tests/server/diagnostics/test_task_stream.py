@@ -230,3 +230,44 @@ def test_keys_that_are_not_str_are_found_when_first_read(monkeypatch):
     assert stream._raw(2047)[0] == ("x", 2047) and stream._key_ends[1] is ends
     assert unpacks.count == 2
     assert [e[1] for e in stream.window()] == [("x", i) for i in range(3000)]
+
+
+@pytest.mark.parametrize("keys", [
+    [f"noop-{'ab' * 16}-{i}" for i in range(300)],  # a map's: all but the digits shared
+    [f"x-{i}" if i % 2 else f"y-{i}" for i in range(300)],  # only "" shared
+    ["same-a", "other", "same-b"],  # first and last share more than the middle does
+    ["only"],
+    ["", "a", ""],
+    ["nul\0inside", "nul\0too"],  # goes the msgpack way
+    [("dask", 1), ("dask", 2), "mixed"],
+])
+def test_packed_keys_and_workers_read_back_as_they_were(keys):
+    stream = TaskStream(maxlen=1_000)
+    stream.chunk = len(keys)  # one chunk, sealed when full
+    workers = [f"tcp://w{i % 3}" for i in range(len(keys))]
+    for i, key in enumerate(keys):
+        stream.record(workers[i], [{"key": key, "start": 1.0, "stop": 2.0}], True)
+    assert stream._base == len(keys)  # packed
+    assert [(e.seq, e[1], e[2]) for e in stream.after(0)[0]] == \
+        [(i, key, workers[i]) for i, key in enumerate(keys)]
+    assert [(e[1], e[2]) for e in stream.window()] == list(zip(keys, workers))
+
+
+def test_the_last_100_000_entries_of_a_map_cost_under_30_bytes_each():
+    """Keys that share all but their last digits are held once with their prefix,
+    workers as an index byte each; the times are 16 bytes."""
+    import sys
+
+    stream = TaskStream()
+    prefix = "noop-" + "0123456789abcdef" * 2 + "-"
+    for first in range(0, 300_000, 500):
+        batch = [{"key": f"{prefix}{i}", "start": 1.0, "stop": 2.0}
+                 for i in range(first, first + 500)]
+        stream.record(f"tcp://127.0.0.1:{40_000 + first % 2}", batch, True)
+    stream.pack()
+    held = sum(sys.getsizeof(part) for column in (stream._keys, stream._key_ends,
+                                                   stream._workers, stream._times,
+                                                   stream._ok)
+               for part in column if part is not None)
+    assert held / len(stream) < 30, held / len(stream)
+    assert stream.after(299_999)[0][0][1:3] == (f"{prefix}299999", "tcp://127.0.0.1:40000")
