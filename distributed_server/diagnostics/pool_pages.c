@@ -254,6 +254,7 @@ static struct PyModuleDef module_def = {
     "Give the pages of the small-object allocator's empty pools back to the OS.",
     -1,
     methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC

@@ -14,12 +14,16 @@ it in use) after every task was released. So a report is not kept: when it arriv
 key, worker and outcome go into open columns and its times into arrays of doubles
 (holding a report until its chunk was packed cost the scheduler about 10 % more CPU per
 task: fresh memory for every message). Every `CHUNK` entries are packed into a few large
-buffers: the keys in one (str keys joined after the prefix they share, written once;
-others in one msgpack array) with where each one ends, the start and stop times in one
-buffer of doubles, the outcomes in one of bytes, the workers in one (an index byte each,
-then their addresses). Large buffers come from the C heap, not the arenas, and leave
-nothing behind when they are dropped. (Packed so, the last 100,000 entries of a map cost
-2.6 MB, not 7.4: a map's keys share all but their last digits.) `pack` packs what is still open (the
+buffers: the keys in one (str keys joined, each after a NUL; others in one msgpack
+array), the start and stop times in one buffer of doubles, the outcomes in one of bytes,
+the workers in one tuple. Large buffers come from the C heap, not the arenas, and leave
+nothing behind when they are dropped. `pack` packs what is still open and squeezes the
+chunks packed since its last call (the scheduler calls it before it gives memory back
+after a big release): a chunk's str keys are written after the prefix they all share,
+once, and its workers become an index byte each, then their addresses. Squeezed, the
+last 100,000 entries of a map cost 2.4 MB, not 7.4 (a map's keys share all but their
+last digits); squeezing costs about 140 ns an entry, so it is not done as entries come
+in. `pack` packs what is still open (the
 scheduler calls it before it gives memory back after a big release).
 
 Everything that checks or converts an entry happens when it is read, and a read touches
@@ -52,6 +56,8 @@ __all__ = ["TaskStream", "TaskStreamEntry"]
 DEFAULT_MAXLEN = 100_000
 #: Entries packed together.
 CHUNK = 1024
+#: Chunks squeezed at most by one `TaskStream.pack` (about 140 us each).
+SQUEEZE_CHUNKS = 32
 
 _KEY = itemgetter("key")
 _START = itemgetter("start")
@@ -77,7 +83,8 @@ class TaskStream:
 
     ``record(worker, reports, ok)`` is the scheduler's one call per accepted batch of
     ``task-finished`` (``ok=True``) or ``task-erred`` reports; ``after(seq)`` and
-    ``window(start, stop)`` read; ``pack()`` packs the entries still open.
+    ``window(start, stop)`` read; ``pack()`` packs the entries still open and squeezes
+    the chunks packed since.
     """
 
     def __init__(self, maxlen: int = DEFAULT_MAXLEN) -> None:
@@ -93,6 +100,7 @@ class TaskStream:
         self._workers: list = [None] * self._slots  # see _pack_workers
         self._times: list = [None] * self._slots  # n starts then n stops, as doubles
         self._ok: list = [None] * self._slots  # n bytes of 0 or 1
+        self._squeezed = bytearray(self._slots)  # 1: its chunk is squeezed
         #: Open entries, numbered ``_base`` on, in columns.
         self._base = 0
         self._open_keys: list = []
@@ -128,10 +136,22 @@ class TaskStream:
             self._seal(end)
             end += chunk
 
-    def pack(self) -> None:
-        """Pack the open entries now (a part of a chunk), so that no key object is held."""
+    def pack(self, squeeze: int = SQUEEZE_CHUNKS) -> None:
+        """Pack the open entries now (a part of a chunk), so that no key object is held,
+        then squeeze at most ``squeeze`` chunks not squeezed yet, the newest first."""
         if self.total > self._base:
             self._seal(self.total)
+        chunk = self.total // self.chunk - (self.total % self.chunk == 0)
+        oldest = self.first // self.chunk
+        while squeeze > 0 and chunk >= oldest:
+            slot = chunk % self._slots
+            if not self._squeezed[slot]:
+                self._keys[slot] = _squeeze_keys(self._keys[slot])
+                self._key_ends[slot] = None  # the keys moved
+                self._workers[slot] = _pack_workers(self._workers[slot])
+                self._squeezed[slot] = 1
+                squeeze -= 1
+            chunk -= 1
 
     def _skip_to(self, seq: int) -> None:
         """Drop everything before ``seq``; the open entries start at its chunk."""
@@ -164,7 +184,8 @@ class TaskStream:
             times = had[:half] + times[:n] + had[half:] + times[n:]
             ok = self._ok[slot] + ok
         self._keys[slot], self._key_ends[slot] = _pack_keys(keys)
-        self._workers[slot] = _pack_workers(workers)
+        self._workers[slot] = tuple(workers)
+        self._squeezed[slot] = 0
         self._times[slot] = times.tobytes()
         self._ok[slot] = ok
         self._base = end
@@ -280,35 +301,41 @@ def _take_columns(reports: list, keys: list, starts: array, stops: array) -> Non
 
 def _pack_keys(keys: list) -> tuple:
     """``(blob, None)``: the keys in one blob; where each one ends in it is found when a
-    read first needs it (`_key_ends`): most chunks are never read. str keys: the prefix
-    they all share, written once, then each key without it, each after a NUL (a chunk
-    with a key that holds a NUL goes the msgpack way). Other keys (a dask key is a
-    tuple) are packed by msgpack as one array (packing a chunk in one call costs half
-    what packing its keys one by one does). Keys msgpack cannot carry are kept as a
-    tuple."""
+    read first needs it (`_key_ends`): most chunks are never read. str keys: a prefix
+    they all share (none until `_squeeze_keys`), then each key without it, each after a
+    NUL (a chunk with a key that holds a NUL goes the msgpack way). Other keys (a dask
+    key is a tuple) are packed by msgpack as one array (packing a chunk in one call
+    costs half what packing its keys one by one does). Keys msgpack cannot carry are
+    kept as a tuple."""
     try:
         joined = "\0".join(keys)
     except TypeError:  # not all str
         joined = None
-    if joined is None or joined.count("\0") != len(keys) - 1:
-        try:
-            return _PACKER.pack(keys), None
-        except (TypeError, ValueError, OverflowError):
-            _PACKER.reset()
-            return tuple(keys), None
-    prefix = _shared_prefix(keys, joined)
-    if prefix:  # a NUL comes only before a key, so every "NUL prefix" starts a key
-        joined = joined[len(prefix):].replace("\0" + prefix, "\0")
-    return prefix + "\0" + joined, None
+    if joined is not None and joined.count("\0") == len(keys) - 1:
+        return "\0" + joined, None
+    try:
+        return _PACKER.pack(keys), None
+    except (TypeError, ValueError, OverflowError):
+        _PACKER.reset()
+        return tuple(keys), None
 
 
-def _shared_prefix(keys: list, joined: str) -> str:
-    """The longest prefix of every key: the one of the first and the last key if the
-    others have it too (a map's keys), else the slow way."""
-    prefix = commonprefix((keys[0], keys[-1]))
-    if joined.count("\0" + prefix) == len(keys) - 1:
-        return prefix
-    return commonprefix(keys)
+def _squeeze_keys(blob):
+    """A str blob of `_pack_keys` with the prefix its keys all share written once (the
+    blob as it was if they share none, or it is not a str blob)."""
+    if type(blob) is not str or blob[0] != "\0":
+        return blob  # not str keys, or squeezed already
+    joined = blob[1:]
+    n = blob.count("\0")
+    first_end = joined.find("\0")
+    first = joined if first_end < 0 else joined[:first_end]
+    prefix = commonprefix((first, joined[joined.rfind("\0") + 1:]))  # and the last
+    if prefix and joined.count("\0" + prefix) != n - 1:  # not every key has it
+        prefix = commonprefix(joined.split("\0"))
+    if not prefix:
+        return blob
+    # a NUL comes only before a key, so every "NUL prefix" starts a key
+    return prefix + "\0" + joined[len(prefix):].replace("\0" + prefix, "\0")
 
 
 def _key_ends(blob) -> bytes:

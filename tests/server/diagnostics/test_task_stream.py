@@ -248,9 +248,12 @@ def test_packed_keys_and_workers_read_back_as_they_were(keys):
     for i, key in enumerate(keys):
         stream.record(workers[i], [{"key": key, "start": 1.0, "stop": 2.0}], True)
     assert stream._base == len(keys)  # packed
-    assert [(e.seq, e[1], e[2]) for e in stream.after(0)[0]] == \
-        [(i, key, workers[i]) for i, key in enumerate(keys)]
-    assert [(e[1], e[2]) for e in stream.window()] == list(zip(keys, workers))
+    for squeezed in (False, True):
+        assert stream._squeezed[0] == squeezed
+        assert [(e.seq, e[1], e[2]) for e in stream.after(0)[0]] == \
+            [(i, key, workers[i]) for i, key in enumerate(keys)]
+        assert [(e[1], e[2]) for e in stream.window()] == list(zip(keys, workers))
+        stream.pack()
 
 
 def test_the_last_100_000_entries_of_a_map_cost_under_30_bytes_each():
@@ -264,10 +267,25 @@ def test_the_last_100_000_entries_of_a_map_cost_under_30_bytes_each():
         batch = [{"key": f"{prefix}{i}", "start": 1.0, "stop": 2.0}
                  for i in range(first, first + 500)]
         stream.record(f"tcp://127.0.0.1:{40_000 + first % 2}", batch, True)
-    stream.pack()
+    stream.pack(squeeze=stream._slots)
     held = sum(sys.getsizeof(part) for column in (stream._keys, stream._key_ends,
                                                    stream._workers, stream._times,
                                                    stream._ok)
                for part in column if part is not None)
     assert held / len(stream) < 30, held / len(stream)
     assert stream.after(299_999)[0][0][1:3] == (f"{prefix}299999", "tcp://127.0.0.1:40000")
+
+
+def test_pack_squeezes_a_few_chunks_a_call_and_more_entries_unsqueeze_a_chunk(monkeypatch):
+    monkeypatch.setattr(task_stream, "CHUNK", 10)
+    stream = TaskStream(maxlen=100)
+    for i in range(95):
+        stream.record("w", [{"key": f"k-{i}", "start": 1.0, "stop": 2.0}], True)
+    stream.pack(squeeze=3)  # the open 5 sealed into chunk 9, then chunks 9, 8, 7
+    assert [c for c in range(10) if stream._squeezed[c]] == [7, 8, 9]
+    stream.pack(squeeze=100)
+    assert all(stream._squeezed[c] for c in range(10))
+    stream.record("w", [{"key": "k-95", "start": 1.0, "stop": 2.0}], True)
+    stream.pack(squeeze=0)  # chunk 9 packed anew, with its squeezed part: not squeezed
+    assert not stream._squeezed[9] and stream._squeezed[8]
+    assert [e[1] for e in stream.after(0)[0]] == [f"k-{i}" for i in range(96)]
