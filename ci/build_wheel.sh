@@ -11,7 +11,8 @@
 # 3. The pure wheel: DISTRIBUTED_CORE_PURE=1 `python -m build --wheel` (from the sdist;
 #    --quick: from the checkout), which must be py3-none-any.
 # 4. File lists: both wheels carry _core.pyx, _worker_core.pyx and the Cython shim and
-#    no generated .c; only the compiled one has the two extensions.
+#    no C source; only the compiled one has the extensions (the core's two and
+#    distributed_server.diagnostics.pool_pages).
 # 5. The repaired wheel goes into a fresh venv without Cython: COMPILED must be True,
 #    `import distributed_core` must not warn, wheels/smoke_test.py runs if it exists,
 #    and DISTRIBUTED_CORE_PURE=1 must still fall back to the .pyx through the shim.
@@ -186,12 +187,12 @@ for wheel, kind in ((compiled, "compiled"), (pure, "pure")):
         if need not in names:
             problems.append(f"{kind} wheel: {need} is missing")
     extensions = [n for n in names if n.endswith((".so", ".pyd", ".dylib"))]
-    for module in ("_core", "_worker_core"):
-        prefix = f"distributed_core/{module}."
+    for module in ("distributed_core/_core", "distributed_core/_worker_core",
+                   "distributed_server/diagnostics/pool_pages"):
+        prefix = f"{module}."
         found = [n for n in extensions if n.startswith(prefix) and "/" not in n[len(prefix):]]
         if kind == "compiled" and len(found) != 1:
-            problems.append(f"compiled wheel: expected one distributed_core/{module} "
-                            f"extension, found {found}")
+            problems.append(f"compiled wheel: expected one {module} extension, found {found}")
     if kind == "pure" and extensions:
         problems.append(f"pure wheel: carries compiled files {extensions}")
     generated = [n for n in names if n.endswith((".c", ".cpp", ".h"))]
