@@ -24,7 +24,8 @@
  * the radix tree (1 MiB arenas, 16 KiB pools, 16-byte alignment, 32 size classes).
  * Before it touches an arena, `release()` checks every pool header in it against that
  * layout and leaves the arena alone if one does not fit. With another layout, a
- * free-threaded build (no pymalloc) or pages of 16 KiB or more, it releases nothing.
+ * free-threaded build (no pymalloc), pages of 16 KiB or more, or on another OS than
+ * Linux, `install()` refuses and nothing is released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,8 +33,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Linux only (mincore, and madvise that frees at once); elsewhere install() refuses. */
+#if defined(__linux__) && !defined(Py_GIL_DISABLED) \
+        && PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030E0000
+#define POOL_PAGES 1
 #include <sys/mman.h>
 #include <unistd.h>
+#else
+#define POOL_PAGES 0
+#endif
 
 #define ARENA_SIZE ((size_t)1 << 20)
 #define POOL_SIZE ((uintptr_t)1 << 14)
@@ -57,12 +66,14 @@ struct pool_header {
     unsigned int maxnextoffset;
 };
 
+static size_t n_arenas = 0;
+static unsigned long long untracked = 0;  /* arenas that could not be recorded */
+
+#if POOL_PAGES
 static PyObjectArenaAllocator wrapped;
 static int installed = 0;
 static void **arenas = NULL;  /* the arenas handed out since install(), not yet freed */
-static size_t n_arenas = 0;
 static size_t cap_arenas = 0;
-static unsigned long long untracked = 0;  /* arenas that could not be recorded */
 
 static void *
 arena_alloc(void *ctx, size_t size)
@@ -172,6 +183,7 @@ release_arena(uintptr_t base, size_t page, unsigned char *resident, Py_ssize_t *
     }
     return released;
 }
+#endif
 
 PyDoc_STRVAR(install_doc,
 "install() -> bool\n\n"
@@ -181,8 +193,8 @@ PyDoc_STRVAR(install_doc,
 static PyObject *
 install(PyObject *module, PyObject *unused)
 {
-#if defined(Py_GIL_DISABLED) || PY_VERSION_HEX < 0x030A0000 || PY_VERSION_HEX >= 0x030E0000
-    Py_RETURN_FALSE;  /* no pymalloc, or a pool layout this file was not checked against */
+#if !POOL_PAGES
+    Py_RETURN_FALSE;  /* not Linux, no pymalloc, or a pool layout not checked against */
 #else
     long page = sysconf(_SC_PAGESIZE);
     if (sizeof(void *) != 8 || page < MIN_PAGE || (uintptr_t)page >= POOL_SIZE) {
@@ -215,20 +227,24 @@ release(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "|n:release", &budget)) {
         return NULL;
     }
-    long page = sysconf(_SC_PAGESIZE);
     Py_ssize_t released = 0;
+#if POOL_PAGES
+    long page = sysconf(_SC_PAGESIZE);
     unsigned char resident[ARENA_SIZE / MIN_PAGE];
-    if (!installed || page < MIN_PAGE || (uintptr_t)page >= POOL_SIZE) {
-        return Py_BuildValue("(nO)", (Py_ssize_t)0, Py_True);
-    }
-    for (size_t i = 0; i < n_arenas && budget != 0; i++) {
-        Py_ssize_t got = release_arena((uintptr_t)arenas[i], (size_t)page, resident, &budget);
-        if (got > 0) {
-            released += got;
+    if (installed && page >= MIN_PAGE && (uintptr_t)page < POOL_SIZE) {
+        for (size_t i = 0; i < n_arenas && budget != 0; i++) {
+            Py_ssize_t got = release_arena((uintptr_t)arenas[i], (size_t)page, resident,
+                                           &budget);
+            if (got > 0) {
+                released += got;
+            }
         }
     }
     /* a spent budget may have met the last empty pool: the next call finds nothing */
     return Py_BuildValue("(nO)", released, budget == 0 ? Py_False : Py_True);
+#else
+    return Py_BuildValue("(nO)", released, Py_True);
+#endif
 }
 
 PyDoc_STRVAR(arenas_doc,
