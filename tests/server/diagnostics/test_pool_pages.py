@@ -10,6 +10,8 @@ import pytest
 import distributed_core
 from distributed_server.diagnostics import heap_trim
 
+if sys.platform != "linux":
+    pytest.skip("pool_pages gives pages back on Linux only", allow_module_level=True)
 if heap_trim.pool_pages is None:
     if distributed_core.COMPILED:
         pytest.fail("the compiled install lacks distributed_server.diagnostics.pool_pages")
