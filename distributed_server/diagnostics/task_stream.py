@@ -23,8 +23,7 @@ after a big release): a chunk's str keys are written after the prefix they all s
 once, and its workers become an index byte each, then their addresses. Squeezed, the
 last 100,000 entries of a map cost 2.4 MB, not 7.4 (a map's keys share all but their
 last digits); squeezing costs about 140 ns an entry, so it is not done as entries come
-in. `pack` packs what is still open (the
-scheduler calls it before it gives memory back after a big release).
+in.
 
 Everything that checks or converts an entry happens when it is read, and a read touches
 only the entries it returns, one key each: a page that samples 100 of the last 100,000
@@ -43,9 +42,9 @@ from __future__ import annotations
 
 import math
 from array import array
-from os.path import commonprefix
-from itertools import accumulate, pairwise, repeat
+from itertools import accumulate, repeat
 from operator import itemgetter
+from os.path import commonprefix
 from struct import unpack_from
 
 import msgpack
