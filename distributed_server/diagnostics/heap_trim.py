@@ -91,7 +91,7 @@ class HeapTrimmer:
     `settle`, called about once a second, trims ``SETTLE_TRIMS`` more times after such a
     trim."""
 
-    def __init__(self, after: int = TRIM_AFTER_TASKS, before_trim=None,
+    def __init__(self, after: int = TRIM_AFTER_TASKS, before_trim=None, before_collect=None,
                  collect_below: int = COLLECT_BELOW_TASKS,
                  collect_after: int = COLLECT_AFTER_TASKS):
         self.after = after
@@ -101,6 +101,9 @@ class HeapTrimmer:
         #: Called just before each trim: what should let go of memory first
         #: (the task stream packs its open entries).
         self.before_trim = before_trim
+        #: Called in a collecting trim, before the collection: what can be made smaller
+        #: once a big job is gone (the task stream squeezes its chunks).
+        self.before_collect = before_collect
         self.high = 0  # most tasks held since the last trim
         self.trims = 0
         self.seconds = 0.0  # spent trimming, in all
@@ -154,6 +157,8 @@ class HeapTrimmer:
         if self.before_trim is not None:
             self.before_trim()
         if collect:
+            if self.before_collect is not None:
+                self.before_collect()
             gc.collect()
             self.peak = 0
             # only with few tasks held: it reads one header per pool of every arena

@@ -17,13 +17,14 @@ task: fresh memory for every message). Every `CHUNK` entries are packed into a f
 buffers: the keys in one (str keys joined, each after a NUL; others in one msgpack
 array), the start and stop times in one buffer of doubles, the outcomes in one of bytes,
 the workers in one tuple. Large buffers come from the C heap, not the arenas, and leave
-nothing behind when they are dropped. `pack` packs what is still open and squeezes the
-chunks packed since its last call (the scheduler calls it before it gives memory back
-after a big release): a chunk's str keys are written after the prefix they all share,
-once, and its workers become an index byte each, then their addresses. Squeezed, the
-last 100,000 entries of a map cost 2.4 MB, not 7.4 (a map's keys share all but their
-last digits); squeezing costs about 140 ns an entry, so it is not done as entries come
-in.
+nothing behind when they are dropped. `pack` packs what is still open (the scheduler
+calls it before it gives memory back after a big release). `squeeze` packs too, then
+squeezes chunks packed since: a chunk's str keys are written after the prefix they all
+share, once, and its workers become an index byte each, then their addresses. Squeezed,
+the last 100,000 entries of a map cost 2.4 MB, not 7.4 (a map's keys share all but
+their last digits). Squeezing costs about 140 ns an entry, so the scheduler squeezes
+only once a big job is gone (in its collecting trims, `SQUEEZE_CHUNKS` chunks each),
+not as entries come in, nor after every release.
 
 Everything that checks or converts an entry happens when it is read, and a read touches
 only the entries it returns, one key each: a page that samples 100 of the last 100,000
@@ -55,7 +56,7 @@ __all__ = ["TaskStream", "TaskStreamEntry"]
 DEFAULT_MAXLEN = 100_000
 #: Entries packed together.
 CHUNK = 1024
-#: Chunks squeezed at most by one `TaskStream.pack` (about 140 us each).
+#: Chunks squeezed at most by one `TaskStream.squeeze` (about 140 us each).
 SQUEEZE_CHUNKS = 32
 
 _KEY = itemgetter("key")
@@ -82,8 +83,8 @@ class TaskStream:
 
     ``record(worker, reports, ok)`` is the scheduler's one call per accepted batch of
     ``task-finished`` (``ok=True``) or ``task-erred`` reports; ``after(seq)`` and
-    ``window(start, stop)`` read; ``pack()`` packs the entries still open and squeezes
-    the chunks packed since.
+    ``window(start, stop)`` read; ``pack()`` packs the entries still open; ``squeeze()``
+    packs them and squeezes the chunks packed since.
     """
 
     def __init__(self, maxlen: int = DEFAULT_MAXLEN) -> None:
@@ -135,21 +136,25 @@ class TaskStream:
             self._seal(end)
             end += chunk
 
-    def pack(self, squeeze: int = SQUEEZE_CHUNKS) -> None:
-        """Pack the open entries now (a part of a chunk), so that no key object is held,
-        then squeeze at most ``squeeze`` chunks not squeezed yet, the newest first."""
+    def pack(self) -> None:
+        """Pack the open entries now (a part of a chunk), so that no key object is held."""
         if self.total > self._base:
             self._seal(self.total)
+
+    def squeeze(self, chunks: int = SQUEEZE_CHUNKS) -> None:
+        """`pack`, then squeeze at most ``chunks`` chunks not squeezed yet, the newest
+        first."""
+        self.pack()
         chunk = self.total // self.chunk - (self.total % self.chunk == 0)
         oldest = self.first // self.chunk
-        while squeeze > 0 and chunk >= oldest:
+        while chunks > 0 and chunk >= oldest:
             slot = chunk % self._slots
             if not self._squeezed[slot]:
                 self._keys[slot] = _squeeze_keys(self._keys[slot])
                 self._key_ends[slot] = None  # the keys moved
                 self._workers[slot] = _pack_workers(self._workers[slot])
                 self._squeezed[slot] = 1
-                squeeze -= 1
+                chunks -= 1
             chunk -= 1
 
     def _skip_to(self, seq: int) -> None:

@@ -216,7 +216,8 @@ class Scheduler:
         self.loop_lag = LoopLagMonitor()  # sampled while the dashboard runs
         self.n_stimuli = 0
         #: malloc_trim once many tasks are forgotten, so the RSS goes back down with them
-        self.heap_trimmer = HeapTrimmer(before_trim=self.task_stream.pack)
+        self.heap_trimmer = HeapTrimmer(before_trim=self.task_stream.pack,
+                                        before_collect=self.task_stream.squeeze)
         self.graph_updates = 0
         self.graph_tasks = 0
         self.graph_intake_seconds = 0.0

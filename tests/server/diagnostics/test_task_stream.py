@@ -253,7 +253,7 @@ def test_packed_keys_and_workers_read_back_as_they_were(keys):
         assert [(e.seq, e[1], e[2]) for e in stream.after(0)[0]] == \
             [(i, key, workers[i]) for i, key in enumerate(keys)]
         assert [(e[1], e[2]) for e in stream.window()] == list(zip(keys, workers))
-        stream.pack()
+        stream.squeeze()
 
 
 def test_the_last_100_000_entries_of_a_map_cost_under_30_bytes_each():
@@ -267,7 +267,7 @@ def test_the_last_100_000_entries_of_a_map_cost_under_30_bytes_each():
         batch = [{"key": f"{prefix}{i}", "start": 1.0, "stop": 2.0}
                  for i in range(first, first + 500)]
         stream.record(f"tcp://127.0.0.1:{40_000 + first % 2}", batch, True)
-    stream.pack(squeeze=stream._slots)
+    stream.squeeze(stream._slots)
     held = sum(sys.getsizeof(part) for column in (stream._keys, stream._key_ends,
                                                    stream._workers, stream._times,
                                                    stream._ok)
@@ -276,16 +276,18 @@ def test_the_last_100_000_entries_of_a_map_cost_under_30_bytes_each():
     assert stream.after(299_999)[0][0][1:3] == (f"{prefix}299999", "tcp://127.0.0.1:40000")
 
 
-def test_pack_squeezes_a_few_chunks_a_call_and_more_entries_unsqueeze_a_chunk(monkeypatch):
+def test_squeeze_takes_a_few_chunks_a_call_and_more_entries_unsqueeze_a_chunk(monkeypatch):
     monkeypatch.setattr(task_stream, "CHUNK", 10)
     stream = TaskStream(maxlen=100)
     for i in range(95):
         stream.record("w", [{"key": f"k-{i}", "start": 1.0, "stop": 2.0}], True)
-    stream.pack(squeeze=3)  # the open 5 sealed into chunk 9, then chunks 9, 8, 7
+    stream.pack()  # the open 5 sealed into chunk 9: packing squeezes nothing
+    assert not any(stream._squeezed)
+    stream.squeeze(3)  # chunks 9, 8, 7
     assert [c for c in range(10) if stream._squeezed[c]] == [7, 8, 9]
-    stream.pack(squeeze=100)
+    stream.squeeze(100)
     assert all(stream._squeezed[c] for c in range(10))
     stream.record("w", [{"key": "k-95", "start": 1.0, "stop": 2.0}], True)
-    stream.pack(squeeze=0)  # chunk 9 packed anew, with its squeezed part: not squeezed
+    stream.pack()  # chunk 9 packed anew, with its squeezed part: not squeezed
     assert not stream._squeezed[9] and stream._squeezed[8]
     assert [e[1] for e in stream.after(0)[0]] == [f"k-{i}" for i in range(96)]
