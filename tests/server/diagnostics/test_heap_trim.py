@@ -45,27 +45,15 @@ def test_trims_are_timed(monkeypatch):
     assert trimmer.trims == 1 and 0.02 <= trimmer.longest == trimmer.seconds < 1.0
 
 
-def test_a_collecting_trim_calls_before_collect_first_and_other_trims_do_not(monkeypatch):
-    calls = []
-    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
-    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
-    trimmer = HeapTrimmer(after=50_000, before_collect=lambda: calls.append("squeeze"),
-                          collect_below=1_024, collect_after=100_000)
-    for n in (1_000_000, 900_000):
-        trimmer.held(n)
-    assert calls == ["trim"]
-    trimmer.held(0)
-    assert calls[1:] == ["squeeze", "collect", "trim"]
-    assert trimmer.settle(0) and calls[4:] == ["squeeze", "collect", "trim"]
-
-
 def test_before_a_trim_the_hook_runs_and_with_few_tasks_left_a_full_collection(monkeypatch):
     """The task stream packs before every trim; the free lists are emptied (a full
-    collection) only once few tasks are left, when a collection walks little."""
+    collection) only once few tasks are left, when a collection walks little; only
+    then, just before it, the task stream squeezes its chunks."""
     calls = []
     monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
     monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
     trimmer = HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
+                          before_collect=lambda: calls.append("squeeze"),
                           collect_below=1_024, collect_after=100_000)
     for n in (1_000_000, 900_000):
         trimmer.held(n)
@@ -73,7 +61,9 @@ def test_before_a_trim_the_hook_runs_and_with_few_tasks_left_a_full_collection(m
     calls.clear()
     for n in (10_000, 0):
         trimmer.held(n)
-    assert calls == ["pack", "trim", "pack", "collect", "trim"]
+    assert calls == ["pack", "trim", "pack", "squeeze", "collect", "trim"]
+    calls.clear()
+    assert trimmer.settle(0) and calls == ["pack", "squeeze", "collect", "trim"]
 
 
 def test_after_a_trim_that_left_few_tasks_it_trims_a_few_times_more_as_it_settles(monkeypatch):
