@@ -45,6 +45,7 @@ except ImportError:  # the pure-Python install runs without Cython
 
 import heapq
 import math
+from array import array
 from typing import Optional
 
 COMPILED: bool = cython.compiled
@@ -232,10 +233,8 @@ class _Shards:
         """Start rebuilding the dicts at their size now, a few at a time (`compact_some`);
         back to one dict at once if the entries are few again."""
         if self._shards is not None and self._n <= _SET_SPLIT_AT // 2:
-            merged: dict = dict(self._one)
             for table in self._shards:
-                merged.update(table)
-            self._one = merged
+                self._one.update(table)
             self._shards = None
         self._cursor = 0
 
@@ -250,10 +249,9 @@ class _Shards:
         while self._cursor >= 0 and done < budget:
             if self._cursor == 0:
                 table = self._one
-                self._one = dict(table)
             else:
                 table = self._shards[self._cursor - 1]
-                self._shards[self._cursor - 1] = dict(table)
+            _rebuild_dict(table)
             done += len(table) + 1
             self._cursor = -1 if self._cursor >= last else self._cursor + 1
         return done
@@ -551,6 +549,74 @@ def _shard_of_str_interpreted(key: str) -> int:
         return _top_bits(hash(key) & _UINT64)
     index = int(key[len(stem):])
     return _top_bits(((index >> _TABLE_BLOCK_BITS) ^ hash(stem[-_KEY_STEM_CHARS:])) & _UINT64)
+
+
+@cython.cfunc
+def _rebuild_dict(table: dict) -> None:
+    """Rebuild ``table`` at its size now, in place: a dict never shrinks by deletion.
+    The same dict object is kept: one made anew during a big release would land among
+    the release's freed blocks, in an arena of the small-object allocator that it alone
+    would then keep mapped (one arena each, after a ten-million-task release)."""
+    if table:
+        entries = dict(table)  # a temporary copy, freed on return
+        table.clear()
+        table.update(entries)
+    else:
+        table.clear()  # frees the large table an empty dict may keep
+
+
+@cython.cfunc
+def _rebuild_set(members: set) -> None:
+    """`_rebuild_dict` for a set."""
+    if members:
+        kept = set(members)
+        members.clear()
+        members.update(kept)
+    else:
+        members.clear()
+
+
+def _pack_log(entries: list) -> tuple:
+    """Logged transitions, ``(key, start, finish, stimulus_id, time)`` each, as five
+    objects: the keys, the moves (a byte each: start and finish state), the distinct
+    stimulus ids, which of them each entry has, and the times."""
+    state_index = {name: i for i, name in enumerate(_NAMES)}
+    moves = bytes([8 * state_index[entry[1]] + state_index[entry[2]] for entry in entries])
+    stimulus_ids = [entry[3] for entry in entries]
+    distinct = list(dict.fromkeys(stimulus_ids))
+    index = {stimulus_id: i for i, stimulus_id in enumerate(distinct)}
+    which = array("I", [index[stimulus_id] for stimulus_id in stimulus_ids])
+    times = [entry[4] for entry in entries]
+    try:
+        times = array("d", times)
+    except TypeError:  # a clock that does not give numbers: kept as they are
+        times = tuple(times)
+    return _joined([entry[0] for entry in entries]), moves, _joined(distinct), which, times
+
+
+def _unpack_log(packed: tuple) -> list:
+    """The entries `_pack_log` packed, as tuples."""
+    keys, moves, distinct, which, times = packed
+    distinct = _unjoined(distinct)
+    return [(key, _NAMES[move >> 3], _NAMES[move & 7], distinct[i], at)
+            for key, move, i, at in zip(_unjoined(keys), moves, which, times)]
+
+
+def _joined(values: list):
+    """Strs as one str, each after the first after a NUL (one object off the
+    small-object arenas); other values, or a str that holds a NUL, as a tuple."""
+    try:
+        joined = "\0".join(values)
+    except TypeError:
+        return tuple(values)
+    if joined.count("\0") != len(values) - 1:
+        return tuple(values)
+    return joined
+
+
+def _unjoined(packed) -> list:
+    """The values `_joined` packed."""
+    return list(packed) if type(packed) is tuple else packed.split("\0")
 
 
 def _chained_keys(other: dict, shards: list):
@@ -1238,6 +1304,7 @@ class SchedulerState:
     _log_entries: list  # ring buffer, flat: key, start, finish, stimulus_id, time, key, ...
     _log_capacity: cython.Py_ssize_t
     _log_next: cython.Py_ssize_t
+    _log_packed: object  # None, or older entries packed by pack_transition_log
     _recording: cython.bint  # record_transitions is on
     _recorded: list  # flat: key, start, finish, stimulus_id, key, ...
     transition_counter: cython.Py_ssize_t
@@ -1249,7 +1316,7 @@ class SchedulerState:
     _active_prefixes: dict  # name -> TaskPrefix that has tasks held
     _durations: dict  # name -> (duration_average, n_durations) of a dropped prefix; bounded
     _tasks_peak: cython.Py_ssize_t  # most tasks held since the tables were last rebuilt
-    _shrinking: list  # the task tables and sets a shrink is still rebuilding (_shrink_step)
+    _shrinking: list  # the tables a shrink is still rebuilding (_shrink_step), or None
     max_transitions_per_stimulus: cython.Py_ssize_t  # 0: scaled to the number of tasks
     _idle_since: cython.double  # the clock when the last task to run left; -1: work now
     forget_slice: cython.Py_ssize_t  # most tasks one stimulus forgets; 0: no limit
@@ -1317,6 +1384,7 @@ class SchedulerState:
         self._log_entries = []
         self._log_capacity = transition_log_length
         self._log_next = 0
+        self._log_packed = None
         self._recording = False
         self._recorded = []
         self.transition_counter = 0
@@ -1329,7 +1397,7 @@ class SchedulerState:
         self._active_prefixes = {}
         self._durations = {}
         self._tasks_peak = 0
-        self._shrinking = []
+        self._shrinking = None
         self.generation = 0
         self.queue_picks = 0
         self._picked_task = None
@@ -2952,7 +3020,24 @@ class SchedulerState:
         Bounded by ``transition_log_length``; a copy, so reading it changes nothing."""
         flat = self._log_entries
         entries = [tuple(flat[i:i + _LOG_FIELDS]) for i in range(0, len(flat), _LOG_FIELDS)]
-        return entries[self._log_next:] + entries[:self._log_next]
+        entries = entries[self._log_next:] + entries[:self._log_next]
+        room = self._log_capacity - len(entries)
+        if self._log_packed is not None and room > 0:
+            entries = _unpack_log(self._log_packed)[-room:] + entries
+        return entries
+
+    def pack_transition_log(self) -> None:
+        """Hold the logged transitions in a few large objects rather than five small ones
+        each: what a server calls once a big job is gone. Kept one by one, the last
+        transitions of a released job (its keys, stimulus ids and times) are among the
+        few objects left in many of the allocator's arenas, which then cannot go back to
+        the system. Reads are the same (`transition_log`, `story`); new transitions are
+        logged as before, and the packed ones are dropped once as many new ones fill the
+        log."""
+        entries = self.transition_log
+        self._log_entries = []
+        self._log_next = 0
+        self._log_packed = _pack_log(entries) if entries else None
 
     def record_transitions(self, on: bool) -> None:
         """Start (True) or stop recording every transition for `take_transitions`: what a
@@ -2973,6 +3058,7 @@ class SchedulerState:
         """Forget the logged transitions (the counter keeps counting)."""
         self._log_entries = []
         self._log_next = 0
+        self._log_packed = None
 
     def story(self, *keys) -> list:
         """The logged transitions of these keys: ``(key, start, finish, stimulus_id, time)``."""
@@ -3056,13 +3142,13 @@ class SchedulerState:
         cs: ClientState
         ws: WorkerState
         self._tasks_peak = len(self.tasks)
-        self.unrunnable = dict(self.unrunnable)
+        _rebuild_dict(self.unrunnable)
         shrinking = [self.tasks]
         for cs in self.clients.values():
             shrinking.append(cs.wants_what)
         for ws in self.workers.values():
             shrinking.append(ws.has_what)
-            ws.processing = set(ws.processing)
+            _rebuild_set(ws.processing)
         for ws in self.departing.values():
             shrinking.append(ws.has_what)
         table: _Shards
@@ -3083,6 +3169,8 @@ class SchedulerState:
             if n == 0:
                 self._shrinking.pop()
             budget -= n
+        if not self._shrinking:
+            self._shrinking = None  # the list was made during the release: not kept
 
     @cython.cfunc
     def _n_held(self) -> cython.Py_ssize_t:
@@ -3143,7 +3231,7 @@ class SchedulerState:
             if not (self.n_queued > 0 and self.idle and self._pop_queued()):
                 break
         if n >= _SHRINK_MIN:
-            self._recs = {}  # empty now, but its table kept the size of the peak
+            recs.clear()  # empty now, but its table kept the size of the peak
 
     @cython.cfunc
     def _runaway(self, ts: TaskState, finish: cython.int, limit: cython.Py_ssize_t) -> None:
@@ -3290,6 +3378,8 @@ class SchedulerState:
             if i == len(log):
                 log.extend((ts.key, _NAMES[start], _NAMES[ts.state_id], self._stimulus_id,
                             self._now))
+                if self._log_packed is not None and self._log_next + 1 >= self._log_capacity:
+                    self._log_packed = None  # the log is full of newer transitions
             else:
                 log[i] = ts.key
                 log[i + 1] = _NAMES[start]

@@ -102,7 +102,8 @@ class HeapTrimmer:
         #: (the task stream packs its open entries).
         self.before_trim = before_trim
         #: Called in a collecting trim, before the collection: what can be made smaller
-        #: once a big job is gone (the task stream squeezes its chunks).
+        #: once a big job is gone (the task stream squeezes its chunks, the transition
+        #: log packs its entries).
         self.before_collect = before_collect
         self.high = 0  # most tasks held since the last trim
         self.trims = 0

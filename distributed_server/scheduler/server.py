@@ -217,7 +217,7 @@ class Scheduler:
         self.n_stimuli = 0
         #: malloc_trim once many tasks are forgotten, so the RSS goes back down with them
         self.heap_trimmer = HeapTrimmer(before_trim=self.task_stream.pack,
-                                        before_collect=self.task_stream.squeeze)
+                                        before_collect=self._pack_histories)
         self.graph_updates = 0
         self.graph_tasks = 0
         self.graph_intake_seconds = 0.0
@@ -613,6 +613,13 @@ class Scheduler:
     def _balance(self) -> None:
         self._last_balance = time.monotonic()
         self.stimulus("scheduler", "balance", self.state.balance)
+
+    def _pack_histories(self) -> None:
+        """Before a collecting trim (a big job is gone): the recent past the scheduler
+        keeps, the task stream and the transition log, packed into a few large objects,
+        so that the arenas their small objects were spread over can go back."""
+        self.task_stream.squeeze()
+        self.state.pack_transition_log()
 
     async def _settle_heap(self) -> None:
         """Once a second, let the heap trimmer trim once more after a release that left

@@ -11,7 +11,7 @@ import distributed_core
 CORE_DIR = os.path.dirname(distributed_core.__file__)
 ALLOWED_IMPORTS = {
     "_core.pyx": {"__future__", "cython", "_cython_shim", "heapq", "math", "collections",
-                  "typing"},
+                  "typing", "array"},
     "_worker_core.pyx": {"__future__", "cython", "_cython_shim", "heapq", "collections",
                          "typing", "_core"},
     "_cython_shim.py": {"dataclasses"},

@@ -54,6 +54,52 @@ def test_transition_log_is_bounded():
     assert all(finish == "memory" for _, _, finish, _, _ in log)
 
 
+def _twin_logs(length: int, keys: list, pack_after: set) -> None:
+    """Two states take the same stimuli; one packs its log after the steps in
+    ``pack_after``. Their logs and stories read the same after every step."""
+    packed, plain = Sim(transition_log_length=length), Sim(transition_log_length=length)
+    steps = []
+    for i, key in enumerate(keys):
+        steps.append(lambda sim, key=key, i=i: sim.submit([task(key)], [key],
+                                                          stimulus_id=f"graph-{i}"))
+        steps.append(lambda sim, key=key: sim.release([key], stimulus_id="bye"))
+    for sim in (packed, plain):
+        sim.add_worker("A", 1)
+    for n, step in enumerate(steps):
+        for sim in (packed, plain):
+            sim.clock.now = float(n)
+            step(sim)
+        if n in pack_after:
+            packed.state.pack_transition_log()
+        assert packed.state.transition_log == plain.state.transition_log
+        assert packed.state.story(*keys[:3]) == plain.state.story(*keys[:3])
+    assert len(packed.state.transition_log) == min(length, plain.state.transition_counter)
+
+
+@pytest.mark.parametrize("keys", [
+    [f"noop-{i}" for i in range(12)],                      # str keys
+    [("x", i) for i in range(12)],                         # dask keys
+    ["a", ("b", 1), "", "nul\0inside", 3, 2.5, b"raw"] * 2,  # all the kinds at once
+], ids=["str", "tuple", "mixed"])
+def test_a_packed_transition_log_reads_as_before_and_stays_bounded(keys):
+    # packed when empty, when part full, twice in a row, once full, and never again
+    # until the new transitions have pushed the packed ones out
+    _twin_logs(7, keys, pack_after={0, 1, 2, 5, 6, 9})
+    _twin_logs(100, keys, pack_after={3, 20})
+
+
+def test_clearing_the_log_drops_the_packed_transitions_too():
+    sim = Sim()
+    sim.add_worker("A", 1)
+    sim.submit([task("x")], ["x"])
+    sim.state.pack_transition_log()
+    assert len(sim.state.transition_log) == 2
+    sim.state.clear_transition_log()
+    assert sim.state.transition_log == []
+    sim.finish("x", stimulus_id="done")
+    assert sim.state.story("x") == [("x", "processing", "memory", "done", 0.0)]
+
+
 def test_clock_is_only_the_one_passed_in():
     clock = Clock(now=123.0)
     state = SchedulerState(validate=True, clock=clock)

@@ -1,5 +1,6 @@
 """Tasks are invisible to the cyclic GC when compiled; their memory must still come back."""
 import gc
+import sys
 import tracemalloc
 
 from distributed_core import SchedulerState
@@ -59,3 +60,23 @@ def test_forgotten_tasks_free_their_memory():
     finally:
         tracemalloc.stop()
     assert left < held / 20, f"{left} of {held} bytes were not freed"
+
+
+def test_a_shrink_rebuilds_the_tables_in_place():
+    """Once most tasks are gone, the tables they grew are rebuilt at their size, each in
+    place: the same dict and set objects (one made anew during a big release would sit
+    among the release's freed blocks and keep their arena mapped), their large tables
+    given back."""
+    state = SchedulerState(worker_saturation=float("inf"))
+    state.add_worker("tcp://w:1", 1, "join")
+    ws = state.workers["tcp://w:1"]
+    processing, unrunnable = ws.processing, state.unrunnable
+    keys = [f"t-{i}" for i in range(10_000)]
+    state.update_graph("client", [{"key": k, "spec": b"s"} for k in keys], keys, "submit")
+    grown = sys.getsizeof(ws.processing)
+    state.remove_client("client", "bye")
+    for i in range(100):  # the shrink goes a few tables per stimulus
+        state.update_graph("client", [{"key": f"u-{i}", "spec": b"s"}], [f"u-{i}"], f"s{i}")
+    assert not state.tasks.__len__() > 100
+    assert ws.processing is processing and state.unrunnable is unrunnable
+    assert sys.getsizeof(ws.processing) < grown / 50

@@ -179,6 +179,26 @@ def test_identity_reads_no_task():
         after["task_counts"]["processing"] > 0
 
 
+def test_a_collecting_trim_packs_the_recent_past_and_reads_stay_the_same():
+    """Once a big job is gone, the heap trimmer's collecting trims first pack what the
+    scheduler keeps of its recent past: the task stream's chunks are squeezed and the
+    transition log is packed; both read as before."""
+    s = Scheduler()  # not started: the histories need only the state
+    state = s.state
+    state.add_worker("tcp://127.0.0.1:1", 2, "join")
+    keys = [f"inc-{i}" for i in range(3_000)]
+    state.update_graph("c", [{"key": key, "spec": b"S"} for key in keys], keys, "graph")
+    s.task_stream.record("tcp://127.0.0.1:1", [
+        {"key": key, "start": 1.0 + i, "stop": 1.5 + i} for i, key in enumerate(keys)], True)
+    log, stream = state.transition_log, s.task_stream.window()
+    assert s.heap_trimmer.before_collect == s._pack_histories
+    s.heap_trimmer.before_collect()
+    assert s.task_stream._squeezed.count(1) == 3  # the 3 chunks of 1,024 entries
+    assert state.transition_log == log and state.story("inc-7") == [
+        entry for entry in log if entry[0] == "inc-7"]
+    assert s.task_stream.window() == stream
+
+
 def test_releasing_keys_frees_them_on_the_worker_and_the_scheduler():
     async def main():
         async with Scheduler(validate=True) as s:
