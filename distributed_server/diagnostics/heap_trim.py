@@ -27,6 +27,14 @@ COLLECT_BELOW_TASKS = 1_024
 COLLECT_AFTER_TASKS = 100_000
 #: Trims (with a collection), a second apart, that follow a trim which left few tasks.
 SETTLE_TRIMS = 3
+#: And later ones, this many `settle` calls (about seconds) after that trim. Objects the
+#: event loop makes anew every few seconds (timer handles, their contexts and times)
+#: were made during the job, among its objects, and each keeps an arena of the
+#: small-object allocator mapped; when one dies, the interpreter's free list keeps its
+#: block for the next object of its type, in the same arena, so only a collection
+#: (which empties the free lists) lets those arenas go. With a collection every second
+#: after a ten-million-task map, 26 such arenas were 19 after 40 s (a scratch run).
+LATE_TRIMS = (10, 25, 45)
 #: Empty pools given back at most in one step (about 2 us each: one system call): one
 #: step in a collecting trim, then one a second (`settle`) until none is left.
 POOL_STEP = 4_096
@@ -89,7 +97,7 @@ class HeapTrimmer:
     rebuilt), so it waits until almost nothing is held. What the release's last
     messages free after that fills the free lists again (135 MiB instead of 107), so
     `settle`, called about once a second, trims ``SETTLE_TRIMS`` more times after such a
-    trim."""
+    trim, and again at `LATE_TRIMS`."""
 
     def __init__(self, after: int = TRIM_AFTER_TASKS, before_trim=None, before_collect=None,
                  collect_below: int = COLLECT_BELOW_TASKS,
@@ -109,7 +117,8 @@ class HeapTrimmer:
         self.trims = 0
         self.seconds = 0.0  # spent trimming, in all
         self.longest = 0.0  # the longest single trim
-        self._owed = 0  # trims owed to `settle` after a trim that left few tasks
+        #: `settle` calls since a trim that left few tasks (None: no trim owed)
+        self._settles: int | None = None
         #: Bytes of empty pools given back after collecting trims, in all.
         self.pool_bytes = 0
         self._pools_owed = False  # empty pools still to give back (more than a step)
@@ -131,26 +140,30 @@ class HeapTrimmer:
             return False
         self.high = n_tasks
         self._trim(collect)
-        self._owed = SETTLE_TRIMS if collect else 0
+        self._settles = 0 if collect else None
         return True
 
     def settle(self, n_tasks: int) -> bool:
         """Called about once a second: after a trim that left few tasks, trim (with a
-        collection) again, ``SETTLE_TRIMS`` times, while few are held; once those are
-        done, give back `POOL_STEP` more empty pools while some are left. True if it
-        trimmed."""
+        collection) again, ``SETTLE_TRIMS`` times and then at `LATE_TRIMS`, while few
+        are held; between those, give back `POOL_STEP` more empty pools while some are
+        left. True if it trimmed."""
         if n_tasks > self.collect_below:
-            self._owed = 0
+            self._settles = None
             return False
-        if not self._owed:
-            if self._pools_owed:
-                started = time.perf_counter()
-                self._release_pools()
-                self._timed(started)
-            return False
-        self._owed -= 1
-        self._trim(collect=True)
-        return True
+        if self._settles is not None:
+            self._settles += 1
+            settles = self._settles
+            if settles >= LATE_TRIMS[-1]:
+                self._settles = None
+            if settles <= SETTLE_TRIMS or settles in LATE_TRIMS:
+                self._trim(collect=True)
+                return True
+        if self._pools_owed:
+            started = time.perf_counter()
+            self._release_pools()
+            self._timed(started)
+        return False
 
     def _trim(self, collect: bool) -> None:
         self.trims += 1

@@ -20,11 +20,13 @@ the workers in one tuple. Large buffers come from the C heap, not the arenas, an
 nothing behind when they are dropped. `pack` packs what is still open (the scheduler
 calls it before it gives memory back after a big release). `squeeze` packs too, then
 squeezes chunks packed since: a chunk's str keys are written after the prefix they all
-share, once, and its workers become an index byte each, then their addresses. Squeezed,
-the last 100,000 entries of a map cost 2.4 MB, not 7.4 (a map's keys share all but
-their last digits). Squeezing costs about 140 ns an entry, so the scheduler squeezes
-only once a big job is gone (in its collecting trims, `SQUEEZE_CHUNKS` chunks each),
-not as entries come in, nor after every release.
+share, once, its workers become an index byte each, then their addresses, and its times
+are compressed (zlib: 16 bytes an entry become about 5; a read of a squeezed chunk's
+times decompresses them, about 30 us, and keeps the last chunk's). Squeezed, the last
+100,000 entries of a map cost 1.3 MB, not 7.1 (a map's keys share all but their last
+digits). Squeezing costs about 320 us a chunk of 1,024 entries, so the scheduler
+squeezes only once a big job is gone (in its collecting trims, `SQUEEZE_CHUNKS` chunks
+each), not as entries come in, nor after every release.
 
 Everything that checks or converts an entry happens when it is read, and a read touches
 only the entries it returns, one key each: a page that samples 100 of the last 100,000
@@ -42,6 +44,7 @@ what readers see).
 from __future__ import annotations
 
 import math
+import zlib
 from array import array
 from itertools import accumulate, repeat
 from operator import itemgetter
@@ -56,7 +59,7 @@ __all__ = ["TaskStream", "TaskStreamEntry"]
 DEFAULT_MAXLEN = 100_000
 #: Entries packed together.
 CHUNK = 1024
-#: Chunks squeezed at most by one `TaskStream.squeeze` (about 140 us each).
+#: Chunks squeezed at most by one `TaskStream.squeeze` (about 320 us each).
 SQUEEZE_CHUNKS = 32
 
 _KEY = itemgetter("key")
@@ -98,9 +101,12 @@ class TaskStream:
         #: Where each key ends in its blob (None while not needed yet: `_key_ends`).
         self._key_ends: list = [None] * self._slots
         self._workers: list = [None] * self._slots  # see _pack_workers
-        self._times: list = [None] * self._slots  # n starts then n stops, as doubles
+        #: n starts then n stops, as doubles (zlib-compressed once squeezed: `_times_of`)
+        self._times: list = [None] * self._slots
         self._ok: list = [None] * self._slots  # n bytes of 0 or 1
         self._squeezed = bytearray(self._slots)  # 1: its chunk is squeezed
+        #: The squeezed times read last, and what they decompress to.
+        self._unzipped: tuple = (None, b"")
         #: Open entries, numbered ``_base`` on, in columns.
         self._base = 0
         self._open_keys: list = []
@@ -153,6 +159,7 @@ class TaskStream:
                 self._keys[slot] = _squeeze_keys(self._keys[slot])
                 self._key_ends[slot] = None  # the keys moved
                 self._workers[slot] = _pack_workers(self._workers[slot])
+                self._times[slot] = zlib.compress(self._times[slot], 1)
                 self._squeezed[slot] = 1
                 chunks -= 1
             chunk -= 1
@@ -181,7 +188,7 @@ class TaskStream:
         slot = self._base // self.chunk % self._slots
         if self._base % self.chunk:  # a part of this chunk is packed already
             had = array("d")
-            had.frombytes(self._times[slot])
+            had.frombytes(self._times_of(slot))
             half = len(had) // 2
             keys = _unpack_keys(self._keys[slot]) + keys
             workers = _unpack_workers(self._workers[slot], len(self._ok[slot])) + workers
@@ -203,13 +210,25 @@ class TaskStream:
                     self._open_stops[i], self._open_ok[i] == 1)
         chunk, i = divmod(seq, self.chunk)
         slot = chunk % self._slots
-        ok, times, blob = self._ok[slot], self._times[slot], self._keys[slot]
+        ok, times, blob = self._ok[slot], self._times_of(slot), self._keys[slot]
         ends = self._key_ends[slot]
         if ends is None and type(blob) is not tuple:
             ends = self._key_ends[slot] = _key_ends(blob)
         return (_unpack_key(blob, ends, i), _unpack_worker(self._workers[slot], len(ok), i),
                 unpack_from("d", times, 8 * i)[0],
                 unpack_from("d", times, 8 * (len(ok) + i))[0], ok[i] == 1)
+
+    def _times_of(self, slot: int) -> bytes:
+        """The times of the chunk in ``slot`` as doubles: a squeezed chunk's are
+        decompressed (about 100 us for 1,024 entries), the last ones read kept."""
+        times = self._times[slot]
+        if not self._squeezed[slot]:
+            return times
+        zipped, unzipped = self._unzipped
+        if zipped is not times:
+            unzipped = zlib.decompress(times)
+            self._unzipped = (times, unzipped)
+        return unzipped
 
     def _newest_first(self):
         """``(seq, raw entry)`` of every held entry, newest first, unpacked a chunk at a
@@ -233,7 +252,7 @@ class TaskStream:
         ok = self._ok[slot]
         n = len(ok)
         times = array("d")
-        times.frombytes(self._times[slot])
+        times.frombytes(self._times_of(slot))
         keys = _unpack_keys(self._keys[slot])
         workers = _unpack_workers(self._workers[slot], n)
         return list(zip(keys, workers, times[:n], times[n:], map(bool, ok)))

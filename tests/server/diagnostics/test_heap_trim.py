@@ -85,6 +85,20 @@ def test_after_a_trim_that_left_few_tasks_it_trims_a_few_times_more_as_it_settle
     assert not trimmer.settle(30_000)  # a new graph came in meanwhile: not now
 
 
+def test_later_collecting_trims_come_at_their_counts_of_settles_and_then_none(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
+    trimmer.held(100_000)
+    trimmer.held(0)
+    calls.clear()
+    settles = range(1, heap_trim.LATE_TRIMS[-1] + 20)
+    trimmed = [i for i in settles if trimmer.settle(0)]
+    assert trimmed == [*range(1, heap_trim.SETTLE_TRIMS + 1), *heap_trim.LATE_TRIMS]
+    assert calls == ["collect", "trim"] * len(trimmed)
+
+
 def test_a_small_job_is_trimmed_without_a_collection(monkeypatch):
     """Under ``collect_after`` tasks held, a release frees too little for a collection
     to be worth its CPU: the trim runs alone, and nothing is owed."""

@@ -256,24 +256,29 @@ def test_packed_keys_and_workers_read_back_as_they_were(keys):
         stream.squeeze()
 
 
-def test_the_last_100_000_entries_of_a_map_cost_under_30_bytes_each():
+def test_the_last_100_000_entries_of_a_map_cost_under_16_bytes_each():
     """Keys that share all but their last digits are held once with their prefix,
-    workers as an index byte each; the times are 16 bytes."""
+    workers as an index byte each, the times (16 bytes an entry) compressed."""
     import sys
 
     stream = TaskStream()
     prefix = "noop-" + "0123456789abcdef" * 2 + "-"
+    started = 1_796_489_026.0
     for first in range(0, 300_000, 500):
-        batch = [{"key": f"{prefix}{i}", "start": 1.0, "stop": 2.0}
+        batch = [{"key": f"{prefix}{i}", "start": started + i * 4.1e-5 + (i * 7919 % 97) * 1e-7,
+                  "stop": started + i * 4.1e-5 + 1e-5 + (i * 104_729 % 89) * 3e-7}
                  for i in range(first, first + 500)]
         stream.record(f"tcp://127.0.0.1:{40_000 + first % 2}", batch, True)
+    expected = [tuple(entry) for entry in stream.after(0, limit=300_000)[0]]
     stream.squeeze(stream._slots)
     held = sum(sys.getsizeof(part) for column in (stream._keys, stream._key_ends,
                                                    stream._workers, stream._times,
                                                    stream._ok)
                for part in column if part is not None)
-    assert held / len(stream) < 30, held / len(stream)
-    assert stream.after(299_999)[0][0][1:3] == (f"{prefix}299999", "tcp://127.0.0.1:40000")
+    assert held / len(stream) < 16, held / len(stream)
+    assert [tuple(entry) for entry in stream.after(0, limit=300_000)[0]] == expected
+    assert stream.window(stop=expected[500][4]) == [
+        entry for entry in expected if entry[3] <= expected[500][4]]
 
 
 def test_squeeze_takes_a_few_chunks_a_call_and_more_entries_unsqueeze_a_chunk(monkeypatch):
