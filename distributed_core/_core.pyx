@@ -603,20 +603,37 @@ def _unpack_log(packed: tuple) -> list:
 
 
 def _joined(values: list):
-    """Strs as one str, each after the first after a NUL (one object off the
-    small-object arenas); other values, or a str that holds a NUL, as a tuple."""
+    """Strs as ``(prefix, rest)``: the prefix they all share, and the rest of each,
+    each after the first after a NUL (two objects, off the small-object arenas; a map's
+    keys share all but their last digits). Other values, or a str that holds a NUL, as
+    a list."""
     try:
         joined = "\0".join(values)
     except TypeError:
-        return tuple(values)
+        return list(values)
     if joined.count("\0") != len(values) - 1:
-        return tuple(values)
-    return joined
+        return list(values)
+    first, last = values[0], values[-1]
+    n: cython.Py_ssize_t = 0
+    while n < len(first) and n < len(last) and first[n] == last[n]:
+        n += 1
+    prefix = first[:n]
+    for value in values:
+        while not value.startswith(prefix):
+            prefix = prefix[:-1]
+    if not prefix:
+        return "", joined
+    n = len(prefix)
+    return prefix, "\0".join([value[n:] for value in values])
 
 
 def _unjoined(packed) -> list:
     """The values `_joined` packed."""
-    return list(packed) if type(packed) is tuple else packed.split("\0")
+    if type(packed) is list:
+        return packed
+    prefix, joined = packed
+    rests = joined.split("\0")
+    return [prefix + rest for rest in rests] if prefix else rests
 
 
 def _chained_keys(other: dict, shards: list):

@@ -80,7 +80,8 @@ def _twin_logs(length: int, keys: list, pack_after: set) -> None:
     [f"noop-{i}" for i in range(12)],                      # str keys
     [("x", i) for i in range(12)],                         # dask keys
     ["a", ("b", 1), "", "nul\0inside", 3, 2.5, b"raw"] * 2,  # all the kinds at once
-], ids=["str", "tuple", "mixed"])
+    ["same-a", "other", "same-b", "same-c", ""] * 3,       # first and last share more
+], ids=["str", "tuple", "mixed", "prefixes"])
 def test_a_packed_transition_log_reads_as_before_and_stays_bounded(keys):
     # packed when empty, when part full, twice in a row, once full, and never again
     # until the new transitions have pushed the packed ones out
