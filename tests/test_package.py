@@ -28,7 +28,7 @@ SERVER_DIR = ROOT / "distributed_server"
 # Top-level modules distributed_core may import (plus relative imports of itself).
 CORE_IMPORT_ALLOW_LIST = frozenset({
     "__future__", "cython", "typing", "collections", "heapq", "math", "itertools",
-    "dataclasses", "importlib", "os", "sys",
+    "dataclasses", "importlib", "os", "sys", "array",
 })
 # Public names of distributed_core that start with an underscore.
 PUBLIC_DUNDERS = frozenset({"__version__", "__all__"})
