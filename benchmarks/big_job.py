@@ -459,30 +459,22 @@ def _map_targets(result: dict) -> list[str]:
     scheduler = result["map_scheduler_bytes_per_task"]
     client = result["map_client_bytes_per_future"]
     before = result["map_scheduler_rss_before_mib"]
-    after = result["map_scheduler_rss_after_release_mib"]
-    above = after / before - 1
-    return [
+    lines = [
         f"map: first task done {result['map_first_task_done_s']:.2f} s after map() began",
         f"map: scheduler grew {scheduler:,.0f} B per task in flight (peak RSS of intake and "
         f"run - RSS before; target <= {TARGET_SCHEDULER_BYTES}): "
         f"{verdict(scheduler <= TARGET_SCHEDULER_BYTES)}",
         f"map: client grew {client:,.0f} B per future held (RSS after map() - before; target "
         f"<= {TARGET_CLIENT_BYTES}): {verdict(client <= TARGET_CLIENT_BYTES)}",
-        f"map: scheduler RSS {RSS_SETTLE_S:.0f} s after the release {after:.0f} MiB, "
-        f"{100 * above:+.0f} % of {before:.0f} MiB before the map (target <= "
-        f"+{100 * TARGET_RSS_ABOVE_START:.0f} %): {verdict(above <= TARGET_RSS_ABOVE_START)}",
-        *_later_rss(result, before, verdict),
     ]
-
-
-def _later_rss(result: dict, before: float, verdict) -> list[str]:
-    later = result.get("map_scheduler_rss_later_mib")  # (older result files lack it)
-    if later is None:
-        return []
-    above = later / before - 1
-    return [f"map: scheduler RSS {RSS_LATER_S:.0f} s after the release {later:.0f} MiB, "
-            f"{100 * above:+.0f} % (target <= +{100 * TARGET_RSS_ABOVE_START:.0f} %): "
-            f"{verdict(above <= TARGET_RSS_ABOVE_START)}"]
+    for seconds, key in ((RSS_SETTLE_S, "map_scheduler_rss_after_release_mib"),
+                         (RSS_LATER_S, "map_scheduler_rss_later_mib")):
+        above = result[key] / before - 1
+        lines.append(
+            f"map: scheduler RSS {seconds:.0f} s after the release {result[key]:.0f} MiB, "
+            f"{100 * above:+.0f} % of {before:.0f} MiB before the map (target <= "
+            f"+{100 * TARGET_RSS_ABOVE_START:.0f} %): {verdict(above <= TARGET_RSS_ABOVE_START)}")
+    return lines
 
 
 def main(argv=None) -> int:

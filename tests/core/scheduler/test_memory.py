@@ -77,6 +77,6 @@ def test_a_shrink_rebuilds_the_tables_in_place():
     state.remove_client("client", "bye")
     for i in range(100):  # the shrink goes a few tables per stimulus
         state.update_graph("client", [{"key": f"u-{i}", "spec": b"s"}], [f"u-{i}"], f"s{i}")
-    assert not state.tasks.__len__() > 100
+    assert len(state.tasks) <= 100
     assert ws.processing is processing and state.unrunnable is unrunnable
     assert sys.getsizeof(ws.processing) < grown / 50
