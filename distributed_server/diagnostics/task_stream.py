@@ -20,13 +20,14 @@ the workers in one tuple. Large buffers come from the C heap, not the arenas, an
 nothing behind when they are dropped. `pack` packs what is still open (the scheduler
 calls it before it gives memory back after a big release). `squeeze` packs too, then
 squeezes chunks packed since: a chunk's str keys are written after the prefix they all
-share, once, its workers become an index byte each, then their addresses, and its times
-are compressed (zlib: 16 bytes an entry become about 5; a read of a squeezed chunk's
-times decompresses them, about 30 us, and keeps the last chunk's). Squeezed, the last
-100,000 entries of a map cost 1.3 MB, not 7.1 (a map's keys share all but their last
-digits). Squeezing costs about 320 us a chunk of 1,024 entries, so the scheduler
-squeezes only once a big job is gone (in its collecting trims, `SQUEEZE_CHUNKS` chunks
-each), not as entries come in, nor after every release.
+share, once, then compressed (zlib: a map's 7 bytes a key become about 2), its workers
+become an index byte each, then their addresses, and its times are compressed (16
+bytes an entry become about 5). A read of a squeezed chunk decompresses its keys and
+times, about 50 us, and keeps the last chunk's. Squeezed, the last 100,000 entries of a
+map cost 0.95 MB, not 7.1 (a map's keys share all but their last digits; 1.3 MB with
+the keys not compressed). Squeezing costs about 370 us a chunk of 1,024 entries, so the
+scheduler squeezes only once a big job is gone (in its collecting trims,
+`SQUEEZE_CHUNKS` chunks each), not as entries come in, nor after every release.
 
 Everything that checks or converts an entry happens when it is read, and a read touches
 only the entries it returns, one key each: a page that samples 100 of the last 100,000
@@ -107,6 +108,8 @@ class TaskStream:
         self._squeezed = bytearray(self._slots)  # 1: its chunk is squeezed
         #: The squeezed times read last, and what they decompress to.
         self._unzipped: tuple = (None, b"")
+        #: The squeezed keys read last: (what is held, the blob, its `_key_ends` or None).
+        self._unzipped_keys: list = [None, None, None]
         #: Open entries, numbered ``_base`` on, in columns.
         self._base = 0
         self._open_keys: list = []
@@ -156,7 +159,7 @@ class TaskStream:
         while chunks > 0 and chunk >= oldest:
             slot = chunk % self._slots
             if not self._squeezed[slot]:
-                self._keys[slot] = _squeeze_keys(self._keys[slot])
+                self._keys[slot] = _zip_keys(_squeeze_keys(self._keys[slot]))
                 self._key_ends[slot] = None  # the keys moved
                 self._workers[slot] = _pack_workers(self._workers[slot])
                 self._times[slot] = zlib.compress(self._times[slot], 1)
@@ -190,7 +193,7 @@ class TaskStream:
             had = array("d")
             had.frombytes(self._times_of(slot))
             half = len(had) // 2
-            keys = _unpack_keys(self._keys[slot]) + keys
+            keys = _unpack_keys(self._keys_of(slot)[0]) + keys
             workers = _unpack_workers(self._workers[slot], len(self._ok[slot])) + workers
             times = had[:half] + times[:n] + had[half:] + times[n:]
             ok = self._ok[slot] + ok
@@ -210,10 +213,8 @@ class TaskStream:
                     self._open_stops[i], self._open_ok[i] == 1)
         chunk, i = divmod(seq, self.chunk)
         slot = chunk % self._slots
-        ok, times, blob = self._ok[slot], self._times_of(slot), self._keys[slot]
-        ends = self._key_ends[slot]
-        if ends is None and type(blob) is not tuple:
-            ends = self._key_ends[slot] = _key_ends(blob)
+        ok, times = self._ok[slot], self._times_of(slot)
+        blob, ends = self._keys_of(slot, with_ends=True)
         return (_unpack_key(blob, ends, i), _unpack_worker(self._workers[slot], len(ok), i),
                 unpack_from("d", times, 8 * i)[0],
                 unpack_from("d", times, 8 * (len(ok) + i))[0], ok[i] == 1)
@@ -229,6 +230,26 @@ class TaskStream:
             unzipped = zlib.decompress(times)
             self._unzipped = (times, unzipped)
         return unzipped
+
+    def _keys_of(self, slot: int, with_ends: bool = False) -> tuple:
+        """``(blob, ends)``: the keys of the chunk in ``slot`` as `_pack_keys` packs them,
+        and with ``with_ends`` where each ends (`_key_ends`; else None). A squeezed
+        chunk's are decompressed (about 20 us for 1,024 map keys), the last ones read
+        kept with their ends; an unsqueezed chunk's ends are kept with it."""
+        held = self._keys[slot]
+        if type(held) is tuple:
+            return held, None
+        if not self._squeezed[slot]:
+            ends = self._key_ends[slot]
+            if with_ends and ends is None:
+                ends = self._key_ends[slot] = _key_ends(held)
+            return held, ends
+        cache = self._unzipped_keys
+        if cache[0] is not held:
+            cache[:] = held, _unzip_keys(held), None
+        if with_ends and cache[2] is None:
+            cache[2] = _key_ends(cache[1])
+        return cache[1], cache[2]
 
     def _newest_first(self):
         """``(seq, raw entry)`` of every held entry, newest first, unpacked a chunk at a
@@ -253,7 +274,7 @@ class TaskStream:
         n = len(ok)
         times = array("d")
         times.frombytes(self._times_of(slot))
-        keys = _unpack_keys(self._keys[slot])
+        keys = _unpack_keys(self._keys_of(slot)[0])
         workers = _unpack_workers(self._workers[slot], n)
         return list(zip(keys, workers, times[:n], times[n:], map(bool, ok)))
 
@@ -359,6 +380,23 @@ def _squeeze_keys(blob):
         return blob
     # a NUL comes only before a key, so every "NUL prefix" starts a key
     return prefix + "\0" + joined[len(prefix):].replace("\0" + prefix, "\0")
+
+
+def _zip_keys(blob):
+    """A squeezed chunk's keys compressed (zlib): a map's 1,024 keys, about 7 KB once
+    their shared prefix is written once, become about 2 KB. A str blob is marked ``s``,
+    a msgpack one ``m``; keys kept as a tuple stay so."""
+    if type(blob) is tuple:
+        return blob
+    if type(blob) is str:
+        return b"s" + zlib.compress(blob.encode("utf-8", "surrogatepass"), 1)
+    return b"m" + zlib.compress(blob, 1)
+
+
+def _unzip_keys(held):
+    """The blob `_zip_keys` compressed."""
+    unzipped = zlib.decompress(memoryview(held)[1:])
+    return unzipped.decode("utf-8", "surrogatepass") if held[:1] == b"s" else unzipped
 
 
 def _key_ends(blob) -> bytes:

@@ -17,9 +17,10 @@ if heap_trim.pool_pages is None:
         pytest.fail("the compiled install lacks distributed_server.diagnostics.pool_pages")
     pytest.skip("the interpreted install has no pool_pages", allow_module_level=True)
 
-#: Builds a quarter of a GiB of small objects, keeps one in 2,000 of them (enough to
-#: keep nearly every arena), frees the rest, then reuses the memory three times.
-SCRIPT = textwrap.dedent("""
+#: What both scripts begin with: the RSS, and rounds that take the pools given back
+#: again, for rows of other sizes, check every row, keep a few of them in ``kept`` (if
+#: given), free the rest, and call ``then`` (which gives memory back).
+PRELUDE = textwrap.dedent("""
     import gc, random, sys
     from distributed_server.diagnostics import heap_trim
 
@@ -29,6 +30,24 @@ SCRIPT = textwrap.dedent("""
                 if line.startswith("VmRSS"):
                     return int(line.split()[1]) / 1024
 
+    def reuse(then, kept=None):
+        for round in range(3):
+            size = 3 + round
+            rows = [(str(i),) * size + ({"i": i, "s": str(i)},) for i in range(400_000)]
+            random.shuffle(rows)
+            for row in rows:
+                i = row[-1]["i"]
+                assert row[:size] == (str(i),) * size and row[-1]["s"] == str(i)
+            if kept is not None:
+                kept.extend(rows[::5_000])
+            del rows
+            gc.collect()
+            then()
+""")
+
+#: Builds a quarter of a GiB of small objects, keeps one in 2,000 of them (enough to
+#: keep nearly every arena), frees the rest, then reuses the memory three times.
+SCRIPT = PRELUDE + textwrap.dedent("""
     assert heap_trim.track_arenas() and heap_trim.track_arenas()  # idempotent
     rows = [(str(i), [i], {"i": i}) for i in range(600_000)]
     kept = rows[::2_000]
@@ -46,16 +65,11 @@ SCRIPT = textwrap.dedent("""
     assert released > 50 * 2**20, released
     assert before - after > 0.8 * released / 2**20, (before, after, released)
     assert heap_trim.release_empty_pools() == (0, True)  # nothing new to give back
-    for round in range(3):  # the pools given back are taken again, of other sizes too
-        size = 3 + round
-        rows = [(str(i),) * size + ({"i": i, "s": str(i)},) for i in range(400_000)]
-        random.shuffle(rows)
-        for row in rows:
-            i = row[-1]["i"]
-            assert row[:size] == (str(i),) * size and row[-1]["s"] == str(i)
-        del rows
-        gc.collect()
+
+    def released_some():
         assert heap_trim.release_empty_pools()[0] > 0
+
+    reuse(released_some)  # the pools given back are taken again, of other sizes too
     assert all(row[0] == str(row[1][0]) == str(row[2]["i"]) for row in kept)
     print("ok")
 """)
@@ -72,11 +86,73 @@ def test_empty_pools_go_back_to_the_os_and_the_memory_is_reused_soundly(allocato
     assert done.stdout.endswith("ok\n"), done.stdout
 
 
+#: Keeps one row in 20,000 (a few blocks in most arenas), gives the empty pools' pages
+#: back, then the empty pools above each arena's last pool in use whole; the arenas
+#: then hand those pools out again, to rows of other sizes, three times (`reuse`). A
+#: first, small round makes the extension find the allocator's arena records; the big
+#: one after it needs so many more arenas that the allocator moves them (it doubles
+#: their vector).
+TAILS_SCRIPT = PRELUDE + textwrap.dedent("""
+    assert heap_trim.track_arenas()
+    rows = [(str(i), [i], {"i": i}) for i in range(50_000)]
+    small = heap_trim.pool_pages.arenas()[0]
+    kept = rows[::20_000]
+    del rows
+    gc.collect()
+    heap_trim.give_back_pool_tails()
+    rows = [(str(i), [i], {"i": i}) for i in range(700_000)]
+    big = heap_trim.pool_pages.arenas()[0]
+    assert big > 2 * (small + 64), (small, big)  # the vector of arena records grew
+    kept += rows[::20_000]
+    del rows
+    gc.collect()
+    heap_trim.release_empty_pools()
+    before = rss_mib()
+    blocks = sys.getallocatedblocks()
+    step, done = heap_trim.give_back_pool_tails(3)  # a step: 3 arenas
+    assert 0 < step <= 3 * 2**20 and not done, (step, done)
+    tails, done = heap_trim.give_back_pool_tails()
+    tails += step
+    assert done
+    blocks_after = sys.getallocatedblocks()  # counts the blocks of the carved pools
+    after = rss_mib()
+    print("arenas", small, big, "tails MiB", tails / 2**20, "rss", before, after)
+    assert tails > 2**20, tails
+    assert before - after > 0.8 * tails / 2**20, (before, after, tails)
+    assert abs(blocks_after - blocks) <= 8, (blocks, blocks_after)  # only empty pools went
+    assert heap_trim.give_back_pool_tails() == (0, True)  # nothing above the last pools
+
+    def gave_back_tails():
+        heap_trim.release_empty_pools()
+        assert heap_trim.give_back_pool_tails()[0] > 0
+
+    reuse(gave_back_tails, kept)
+    for row in kept:
+        if len(row) == 3:
+            assert row[0] == str(row[1][0]) == str(row[2]["i"])
+        else:
+            assert row[0] == row[-1]["s"] == str(row[-1]["i"])
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "pymalloc_debug"])
+def test_empty_pools_at_an_arenas_end_go_back_whole_and_are_carved_again(allocator):
+    """The arena's record is changed (its list of empty pools, where it carves next):
+    the rows made afterwards in those pools must read back intact, and the debug
+    allocator checks every block it frees."""
+    env = {"PYTHONMALLOC": allocator, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", TAILS_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.endswith("ok\n"), done.stdout
+
+
 def test_without_pymalloc_nothing_is_known_and_nothing_released():
     code = ("from distributed_server.diagnostics import heap_trim as h\n"
             "h.track_arenas(); x = [str(i) for i in range(200_000)]; del x\n"
-            "print(h.pool_pages.arenas(), h.release_empty_pools())")
+            "print(h.pool_pages.arenas(), h.release_empty_pools(), h.give_back_pool_tails())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONMALLOC": "malloc", "PATH": "/usr/bin:/bin"},
                           timeout=60, check=False)
-    assert done.stdout.split("\n")[0] == "(0, 0) (0, True)", done.stdout + done.stderr
+    assert done.stdout.split("\n")[0] == "(0, 0) (0, True) (0, True)", done.stdout + done.stderr
