@@ -33,6 +33,7 @@
  * free-threaded build (no pymalloc), pages of 16 KiB or more, or on another OS than
  * Linux, `install()` refuses and nothing is released.
  */
+#define _GNU_SOURCE  /* process_vm_readv */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -46,6 +47,7 @@
         && PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030E0000
 #define POOL_PAGES 1
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #else
 #define POOL_PAGES 0
@@ -205,7 +207,10 @@ release_arena(uintptr_t base, size_t page, unsigned char *resident, Py_ssize_t *
  * found through the allocator's own pointer to that vector, a word of its static data
  * (`find_records`). Every known arena's record must read as expected, and an arena's list
  * of empty pools must agree with its record's counts, before a record is written; if
- * not, nothing is.
+ * not, nothing is. A candidate vector is read with process_vm_readv, which fails instead
+ * of faulting where memory is not mapped. The blocks of the arena allocator that are not
+ * arenas (a deep frame's chunk of the interpreter's frame stack can be 1 MiB too) are
+ * told apart by their first pool header and passed over.
  */
 struct arena_record {  /* CPython 3.10-3.13: struct arena_object */
     uintptr_t address;
@@ -226,42 +231,76 @@ first_pool_index(uintptr_t base)
         ->arenaindex;
 }
 
-/* The record of the arena at `base`, if it reads as one. */
+/* Whether the tracked block at `base` is an arena of the allocator: its first pool's
+ * header fits the layout. The arena allocator also hands out blocks that are not arenas
+ * (the interpreter's frame stack takes chunks of it, of 1 MiB too for a deep frame). */
+static int
+is_arena(uintptr_t base)
+{
+    const struct pool_header *first =
+        (const struct pool_header *)((base + POOL_SIZE - 1) & ~(POOL_SIZE - 1));
+    return header_fits(first, first->arenaindex);
+}
+
+/* Whether `record` (read, not in place) is the record of the arena at `base`. */
+static int
+record_reads_as(const struct arena_record *record, uintptr_t base)
+{
+    uintptr_t first = (base + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
+    unsigned int total = (first == base) ? MAX_POOLS : MAX_POOLS - 1;
+    return record->address == base && record->ntotalpools == total
+        && record->nfreepools <= total
+        && (uintptr_t)record->pool_address >= first
+        && (uintptr_t)record->pool_address <= first + (uintptr_t)total * POOL_SIZE;
+}
+
+/* The record of the arena at `base` in the vector that `vector_fits` accepted. */
 static struct arena_record *
 record_of(char *vector, uintptr_t base)
 {
     struct arena_record *record =
         (struct arena_record *)(vector + (size_t)first_pool_index(base)
                                 * sizeof(struct arena_record));
-    uintptr_t first = (base + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
-    unsigned int total = (first == base) ? MAX_POOLS : MAX_POOLS - 1;
-    if (record->address != base || record->ntotalpools != total
-            || record->nfreepools > total
-            || (uintptr_t)record->pool_address < first
-            || (uintptr_t)record->pool_address > first + (uintptr_t)total * POOL_SIZE) {
-        return NULL;
-    }
-    return record;
+    return record_reads_as(record, base) ? record : NULL;
 }
 
-/* Whether `vector` holds the record of every known arena, all within [lo, hi). */
+/* Copies len bytes at `from` into `to`, or fails (0) where they are not mapped: a
+ * candidate vector is read this way, since memory this thread does not own may be
+ * unmapped by another thread at any moment. */
+static int
+read_safely(void *to, uintptr_t from, size_t len)
+{
+    struct iovec local = {to, len}, remote = {(void *)from, len};
+    return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == (ssize_t)len;
+}
+
+/* Whether `vector` holds the record of every known arena (at least one), all within
+ * [lo, hi). Tracked blocks that are not arenas are passed over. */
 static int
 vector_fits(char *vector, uintptr_t lo, uintptr_t hi)
 {
+    size_t matched = 0;
     for (size_t i = 0; i < n_arenas; i++) {
+        uintptr_t base = (uintptr_t)arenas[i];
+        if (!is_arena(base)) {
+            continue;
+        }
         uintptr_t at = (uintptr_t)vector
-            + (uintptr_t)first_pool_index((uintptr_t)arenas[i]) * sizeof(struct arena_record);
-        if (at < lo || at + sizeof(struct arena_record) > hi
-                || record_of(vector, (uintptr_t)arenas[i]) == NULL) {
+            + (uintptr_t)first_pool_index(base) * sizeof(struct arena_record);
+        struct arena_record record;
+        if (at < lo || at + sizeof record > hi || !read_safely(&record, at, sizeof record)
+                || !record_reads_as(&record, base)) {
             return 0;
         }
+        matched++;
     }
-    return 1;
+    return matched > 0;
 }
 
 struct region {
     uintptr_t lo, hi;
     int allocator;  /* a mapping of the file that holds the allocator's code and data */
+    int anonymous;  /* no file and no name (malloc's mmaps; not [heap], [stack]...) */
 };
 
 #define MAX_REGIONS 4096
@@ -283,10 +322,13 @@ load_regions(struct region *regions)
     while (n < MAX_REGIONS && fgets(line, sizeof line, maps) != NULL) {
         unsigned long lo, hi, major, minor, inode;
         char perms[8] = "";
-        if (sscanf(line, "%lx-%lx %7s %*s %lx:%lx %lu", &lo, &hi, perms, &major, &minor,
-                   &inode) < 6) {
+        int name_at = 0;
+        if (sscanf(line, "%lx-%lx %7s %*s %lx:%lx %lu %n", &lo, &hi, perms, &major, &minor,
+                   &inode, &name_at) < 6) {
             continue;
         }
+        int named = name_at > 0 && line[name_at] != '\0' && line[name_at] != '\n';
+        int heap = named && strncmp(line + name_at, "[heap]", 6) == 0;
         if (lo <= code && code < hi && inode != 0) {
             owner_inode = inode;
             owner_dev_major = major;
@@ -295,12 +337,13 @@ load_regions(struct region *regions)
         }
         int mine = owner[0] && inode == owner_inode && major == owner_dev_major
             && minor == owner_dev_minor;
-        int bss = inode == 0 && after_owner;
+        int bss = inode == 0 && !named && after_owner;
         after_owner = mine;
         if (perms[0] == 'r' && perms[1] == 'w' && perms[3] == 'p') {
             regions[n].lo = lo;
             regions[n].hi = hi;
             regions[n].allocator = mine || (bss && n > 0 && regions[n - 1].hi == lo);
+            regions[n].anonymous = inode == 0 && (!named || heap);
             n++;
         }
     }
@@ -336,7 +379,7 @@ records_at(const uintptr_t *home, const struct region *regions, int n)
         return NULL;
     }
     const struct region *holder = region_holding(regions, n, value);
-    if (holder == NULL || holder->allocator
+    if (holder == NULL || holder->allocator || !holder->anonymous
             || !vector_fits((char *)value, holder->lo, holder->hi)) {
         return NULL;
     }
@@ -494,21 +537,24 @@ give_back_tails(PyObject *module, PyObject *args)
         records = find_records((size_t)page, resident, sizeof resident);
     }
     for (size_t i = 0; records != NULL && i < n_arenas; i++) {
+        if (!is_arena((uintptr_t)arenas[i])) {
+            continue;  /* as find_records passed it over */
+        }
         struct arena_record *record = record_of(records, (uintptr_t)arenas[i]);
         if (record == NULL) {
-            break;  /* all were checked by find_records: only if the allocator changed */
+            break;  /* find_records checked them all: only if the allocator changed */
         }
-        if (budget == 0) {
-            if (has_tail(record)) {
-                done = 0;
-                break;
-            }
+        if (!has_tail(record)) {
             continue;
         }
+        if (budget == 0) {
+            done = 0;
+            break;
+        }
+        budget--;
         Py_ssize_t got = give_back_tail(record, (size_t)page, resident);
         if (got > 0) {
             released += got;
-            budget--;
         }
     }
 #endif

@@ -148,6 +148,39 @@ def test_empty_pools_at_an_arenas_end_go_back_whole_and_are_carved_again(allocat
     assert done.stdout.endswith("ok\n"), done.stdout
 
 
+#: A frame with 70,000 locals takes a 1 MiB chunk of the interpreter's frame stack from
+#: the arena allocator too, so the extension tracks a block that is not an arena.
+DEEP_FRAME_SCRIPT = PRELUDE + textwrap.dedent("""
+    assert heap_trim.track_arenas()
+    rows = [(str(i), [i], {"i": i}) for i in range(300_000)]
+    kept = rows[::20_000]
+    del rows
+    gc.collect()
+    heap_trim.release_empty_pools()
+    source = "def deep(then):\\n" + "".join(f"    v{i} = {i}\\n" for i in range(70_000))
+    space = {}
+    exec(source + "    return then()\\n", space)
+    blocks = heap_trim.pool_pages.arenas()[0]
+
+    def inside():
+        assert heap_trim.pool_pages.arenas()[0] > blocks  # the frame stack's chunk
+        return heap_trim.give_back_pool_tails()
+
+    tails, done = space["deep"](inside)
+    print("tails MiB", tails / 2**20)
+    assert tails > 2**20 and done, (tails, done)
+    assert all(row[0] == str(row[1][0]) == str(row[2]["i"]) for row in kept)
+    print("ok")
+""")
+
+
+def test_a_block_of_the_arena_allocator_that_is_no_arena_is_passed_over():
+    done = subprocess.run([sys.executable, "-c", DEEP_FRAME_SCRIPT], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin"}, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.endswith("ok\n"), done.stdout
+
+
 def test_without_pymalloc_nothing_is_known_and_nothing_released():
     code = ("from distributed_server.diagnostics import heap_trim as h\n"
             "h.track_arenas(); x = [str(i) for i in range(200_000)]; del x\n"
