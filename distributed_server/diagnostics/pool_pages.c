@@ -530,11 +530,11 @@ give_back_tails(PyObject *module, PyObject *args)
     Py_ssize_t released = 0;
     int done = 1;
 #if POOL_PAGES
-    long page = sysconf(_SC_PAGESIZE);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);  /* checked by install() */
     static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
     char *records = NULL;
-    if (installed && n_arenas > 0 && page >= MIN_PAGE && (uintptr_t)page < POOL_SIZE) {
-        records = find_records((size_t)page, resident, sizeof resident);
+    if (installed && n_arenas > 0) {
+        records = find_records(page, resident, sizeof resident);
     }
     for (size_t i = 0; records != NULL && i < n_arenas; i++) {
         if (!is_arena((uintptr_t)arenas[i])) {
@@ -552,7 +552,7 @@ give_back_tails(PyObject *module, PyObject *args)
             break;
         }
         budget--;
-        Py_ssize_t got = give_back_tail(record, (size_t)page, resident);
+        Py_ssize_t got = give_back_tail(record, page, resident);
         if (got > 0) {
             released += got;
         }
@@ -605,12 +605,11 @@ release(PyObject *module, PyObject *args)
     }
     Py_ssize_t released = 0;
 #if POOL_PAGES
-    long page = sysconf(_SC_PAGESIZE);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);  /* checked by install() */
     unsigned char resident[ARENA_SIZE / MIN_PAGE];
-    if (installed && page >= MIN_PAGE && (uintptr_t)page < POOL_SIZE) {
+    if (installed) {
         for (size_t i = 0; i < n_arenas && budget != 0; i++) {
-            Py_ssize_t got = release_arena((uintptr_t)arenas[i], (size_t)page, resident,
-                                           &budget);
+            Py_ssize_t got = release_arena((uintptr_t)arenas[i], page, resident, &budget);
             if (got > 0) {
                 released += got;
             }
