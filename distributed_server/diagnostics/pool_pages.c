@@ -17,8 +17,9 @@
  * `give_back_tails()` gives back whole, header page included, the empty pools above each
  * arena's last pool in use, by handing them back to the arena as pools it has never used
  * (see "arena tails" below). After a ten-million-task release that took the scheduler
- * from 54 to 51 MiB; what remains of a kept arena is its pools in use and the first page
- * of each empty pool below them.
+ * from 54 to 51 MiB. `retire_pools()` takes the empty pools below an arena's last pool
+ * in use out of the arena and gives them back whole too (see "retired pools"): what
+ * remains of a kept arena is its pools in use and its first pool.
  *
  * Which memory is an arena is known exactly, not guessed: `install()` wraps the arena
  * allocator (PyObject_SetArenaAllocator, a public API) and records every arena-sized
@@ -33,7 +34,7 @@
  * free-threaded build (no pymalloc), pages of 16 KiB or more, or on another OS than
  * Linux, `install()` refuses and nothing is released.
  */
-#define _GNU_SOURCE  /* process_vm_readv */
+#define _GNU_SOURCE 1  /* process_vm_readv (the value Python.h gives it too) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -81,7 +82,13 @@ static unsigned long long untracked = 0;  /* arenas that could not be recorded *
 #if POOL_PAGES
 static PyObjectArenaAllocator wrapped;
 static int installed = 0;
-static void **arenas = NULL;  /* the arenas handed out since install(), not yet freed */
+/* An arena handed out since install(), not yet freed, and how many of its pools
+ * `retire_pools` took out of it (its record's count of pools is that many less). */
+struct tracked {
+    void *address;
+    unsigned int retired;
+};
+static struct tracked *arenas = NULL;
 static size_t cap_arenas = 0;
 
 static void *
@@ -93,7 +100,7 @@ arena_alloc(void *ctx, size_t size)
     }
     if (n_arenas == cap_arenas) {
         size_t cap = cap_arenas ? 2 * cap_arenas : 256;
-        void **grown = realloc(arenas, cap * sizeof(void *));
+        struct tracked *grown = realloc(arenas, cap * sizeof(struct tracked));
         if (grown == NULL) {
             untracked++;  /* left alone by release(): harmless, only not returned */
             return address;
@@ -101,7 +108,9 @@ arena_alloc(void *ctx, size_t size)
         arenas = grown;
         cap_arenas = cap;
     }
-    arenas[n_arenas++] = address;
+    arenas[n_arenas].address = address;
+    arenas[n_arenas].retired = 0;
+    n_arenas++;
     return address;
 }
 
@@ -110,7 +119,7 @@ arena_free(void *ctx, void *address, size_t size)
 {
     if (size == ARENA_SIZE) {
         for (size_t i = n_arenas; i-- > 0;) {
-            if (arenas[i] == address) {
+            if (arenas[i].address == address) {
                 arenas[i] = arenas[--n_arenas];
                 break;
             }
@@ -242,26 +251,35 @@ is_arena(uintptr_t base)
     return header_fits(first, first->arenaindex);
 }
 
-/* Whether `record` (read, not in place) is the record of the arena at `base`. */
-static int
-record_reads_as(const struct arena_record *record, uintptr_t base)
+/* The pools the allocator cut the arena at `base` into (one less if it is not aligned
+ * to a pool). */
+static unsigned int
+pools_in(uintptr_t base)
 {
+    return ((base & (POOL_SIZE - 1)) == 0) ? MAX_POOLS : MAX_POOLS - 1;
+}
+
+/* Whether `record` (read, not in place) is the record of the tracked arena. */
+static int
+record_reads_as(const struct arena_record *record, const struct tracked *arena)
+{
+    uintptr_t base = (uintptr_t)arena->address;
     uintptr_t first = (base + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
-    unsigned int total = (first == base) ? MAX_POOLS : MAX_POOLS - 1;
-    return record->address == base && record->ntotalpools == total
-        && record->nfreepools <= total
+    unsigned int total = pools_in(base);
+    return record->address == base && record->ntotalpools + arena->retired == total
+        && record->nfreepools <= record->ntotalpools
         && (uintptr_t)record->pool_address >= first
         && (uintptr_t)record->pool_address <= first + (uintptr_t)total * POOL_SIZE;
 }
 
-/* The record of the arena at `base` in the vector that `vector_fits` accepted. */
+/* The record of the tracked arena in the vector that `vector_fits` accepted. */
 static struct arena_record *
-record_of(char *vector, uintptr_t base)
+record_of(char *vector, const struct tracked *arena)
 {
     struct arena_record *record =
-        (struct arena_record *)(vector + (size_t)first_pool_index(base)
+        (struct arena_record *)(vector + (size_t)first_pool_index((uintptr_t)arena->address)
                                 * sizeof(struct arena_record));
-    return record_reads_as(record, base) ? record : NULL;
+    return record_reads_as(record, arena) ? record : NULL;
 }
 
 /* Copies len bytes at `from` into `to`, or fails (0) where they are not mapped: a
@@ -281,7 +299,7 @@ vector_fits(char *vector, uintptr_t lo, uintptr_t hi)
 {
     size_t matched = 0;
     for (size_t i = 0; i < n_arenas; i++) {
-        uintptr_t base = (uintptr_t)arenas[i];
+        uintptr_t base = (uintptr_t)arenas[i].address;
         if (!is_arena(base)) {
             continue;
         }
@@ -289,7 +307,7 @@ vector_fits(char *vector, uintptr_t lo, uintptr_t hi)
             + (uintptr_t)first_pool_index(base) * sizeof(struct arena_record);
         struct arena_record record;
         if (at < lo || at + sizeof record > hi || !read_safely(&record, at, sizeof record)
-                || !record_reads_as(&record, base)) {
+                || !record_reads_as(&record, &arenas[i])) {
             return 0;
         }
         matched++;
@@ -370,9 +388,16 @@ region_holding(const struct region *regions, int n, uintptr_t at)
 /* Where the allocator keeps its pointer to the vector of arena records, once found. */
 static const uintptr_t *records_home = NULL;
 
+/* The allocator's vector of arena records, as `find_records` found it. */
+struct records {
+    char *vector;
+    uintptr_t end;                /* the end of the mapping that holds the vector */
+    uintptr_t home_lo, home_hi;   /* the allocator's static data around `records_home` */
+};
+
 /* The vector `*home` points at, if it holds the record of every known arena. */
 static char *
-records_at(const uintptr_t *home, const struct region *regions, int n)
+records_at(const uintptr_t *home, const struct region *regions, int n, uintptr_t *end)
 {
     uintptr_t value = *home;
     if (value == 0 || (value & 7)) {
@@ -383,7 +408,25 @@ records_at(const uintptr_t *home, const struct region *regions, int n)
             || !vector_fits((char *)value, holder->lo, holder->hi)) {
         return NULL;
     }
+    *end = holder->hi;
     return (char *)value;
+}
+
+/* The allocator's static data that holds `records_home`: its mapping and the mappings
+ * of the allocator's file right before and after it (data and bss may be split). */
+static void
+home_span(const struct region *regions, int n, struct records *found)
+{
+    const struct region *at = region_holding(regions, n, (uintptr_t)records_home);
+    int i = (int)(at - regions), lo = i, hi = i;
+    while (lo > 0 && regions[lo - 1].allocator && regions[lo - 1].hi == regions[lo].lo) {
+        lo--;
+    }
+    while (hi + 1 < n && regions[hi + 1].allocator && regions[hi + 1].lo == regions[hi].hi) {
+        hi++;
+    }
+    found->home_lo = regions[lo].lo;
+    found->home_hi = regions[hi].hi;
 }
 
 /* The allocator's vector of arena records, read through the pointer to it that the
@@ -391,16 +434,18 @@ records_at(const uintptr_t *home, const struct region *regions, int n)
  * a word there that points at anonymous memory holding the record of every known arena.
  * Looking there, and not for copies of a record anywhere, can only find the live vector,
  * never a copy that a realloc left behind; the vector moves when it grows, so it is
- * read through that word each time. NULL if no word fits. */
-static char *
-find_records(size_t page, unsigned char *resident, size_t resident_len)
+ * read through that word each time. 0 if no word fits. */
+static int
+find_records(size_t page, unsigned char *resident, size_t resident_len,
+             struct records *found)
 {
     static struct region regions[MAX_REGIONS];
     int n = load_regions(regions);
     if (records_home != NULL && region_holding(regions, n, (uintptr_t)records_home) != NULL) {
-        char *found = records_at(records_home, regions, n);
-        if (found != NULL) {
-            return found;
+        found->vector = records_at(records_home, regions, n, &found->end);
+        if (found->vector != NULL) {
+            home_span(regions, n, found);
+            return 1;
         }
     }
     records_home = NULL;
@@ -416,15 +461,16 @@ find_records(size_t page, unsigned char *resident, size_t resident_len)
             }
             const uintptr_t *word = (const uintptr_t *)(lo + p * page);
             for (size_t w = 0; w < page / sizeof(uintptr_t); w++) {
-                char *found = records_at(&word[w], regions, n);
-                if (found != NULL) {
+                found->vector = records_at(&word[w], regions, n, &found->end);
+                if (found->vector != NULL) {
                     records_home = &word[w];
-                    return found;
+                    home_span(regions, n, found);
+                    return 1;
                 }
             }
         }
     }
-    return NULL;
+    return 0;
 }
 
 /* The end of the arena's last pool in use (its first pool's address if none is). */
@@ -448,6 +494,44 @@ has_tail(const struct arena_record *record)
     return top != first && top != (uintptr_t)record->pool_address;
 }
 
+/* The arena's list of empty pools, into `listed` (their number: at most MAX_POOLS), if
+ * each is in the arena's carved part, aligned, empty and of this arena, and they add up
+ * with the pools never carved to its count of free pools; -1 if not. */
+static int
+read_free_list(const struct arena_record *record, struct pool_header **listed)
+{
+    uintptr_t base = record->address;
+    uintptr_t first = (base + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
+    uintptr_t carved = (uintptr_t)record->pool_address;
+    unsigned int arenaindex = first_pool_index(base);
+    unsigned int n = 0;
+    for (struct pool_header *pool = record->freepools; pool != NULL; pool = pool->nextpool) {
+        uintptr_t at = (uintptr_t)pool;
+        if (n == MAX_POOLS || at < first || at >= carved || (at & (POOL_SIZE - 1))
+                || pool->ref.count != 0 || pool->arenaindex != arenaindex) {
+            return -1;
+        }
+        listed[n++] = pool;
+    }
+    unsigned int never_carved =
+        (unsigned int)((first + (uintptr_t)pools_in(base) * POOL_SIZE - carved) / POOL_SIZE);
+    return n + never_carved == record->nfreepools ? (int)n : -1;
+}
+
+/* Sorts pools by address: the allocator takes the first of its list first. */
+static void
+sort_pools(struct pool_header **pools, unsigned int n)
+{
+    for (unsigned int i = 1; i < n; i++) {
+        struct pool_header *pool = pools[i];
+        unsigned int j = i;
+        for (; j > 0 && pools[j - 1] > pool; j--) {
+            pools[j] = pools[j - 1];
+        }
+        pools[j] = pool;
+    }
+}
+
 /* Give back the empty pools above the last pool in use of one arena; bytes given back
  * (resident before), or -1 if its record or list does not read as expected. */
 static Py_ssize_t
@@ -456,29 +540,22 @@ give_back_tail(struct arena_record *record, size_t page, unsigned char *resident
     uintptr_t base = record->address;
     uintptr_t first = (base + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
     uintptr_t carved = (uintptr_t)record->pool_address;
-    unsigned int arenaindex = first_pool_index(base);
     uintptr_t top = end_of_use(record);
     if (top == carved || top == first) {
         return 0;  /* nothing above the last pool in use, or no pool in use at all */
     }
-    /* the list of empty pools: each inside the carved part, empty, of this arena */
     struct pool_header *kept[MAX_POOLS];
-    unsigned int n_kept = 0, n_listed = 0;
-    for (struct pool_header *pool = record->freepools; pool != NULL; pool = pool->nextpool) {
-        uintptr_t at = (uintptr_t)pool;
-        if (n_listed == MAX_POOLS || at < first || at >= carved || (at & (POOL_SIZE - 1))
-                || pool->ref.count != 0 || pool->arenaindex != arenaindex) {
-            return -1;
-        }
-        n_listed++;
-        if (at < top) {
-            kept[n_kept++] = pool;
+    int n_listed = read_free_list(record, kept);
+    if (n_listed < 0) {
+        return -1;
+    }
+    unsigned int n_kept = 0;
+    for (int i = 0; i < n_listed; i++) {
+        if ((uintptr_t)kept[i] < top) {
+            kept[n_kept++] = kept[i];
         }
     }
-    unsigned int never_carved =
-        (unsigned int)((first + (uintptr_t)record->ntotalpools * POOL_SIZE - carved) / POOL_SIZE);
-    unsigned int above = (unsigned int)((carved - top) / POOL_SIZE);
-    if (n_listed + never_carved != record->nfreepools || n_listed - n_kept != above) {
+    if ((unsigned int)n_listed - n_kept != (unsigned int)((carved - top) / POOL_SIZE)) {
         return -1;
     }
     if (mincore((void *)top, carved - top, resident) != 0) {
@@ -488,15 +565,7 @@ give_back_tail(struct arena_record *record, size_t page, unsigned char *resident
     for (size_t i = 0; i < (carved - top) / page; i++) {
         tail += (resident[i] & 1) ? (Py_ssize_t)page : 0;
     }
-    /* the kept ones in address order: the allocator takes the lowest first */
-    for (unsigned int i = 1; i < n_kept; i++) {
-        struct pool_header *pool = kept[i];
-        unsigned int j = i;
-        for (; j > 0 && kept[j - 1] > pool; j--) {
-            kept[j] = kept[j - 1];
-        }
-        kept[j] = pool;
-    }
+    sort_pools(kept, n_kept);  /* the allocator then takes the lowest first */
     for (unsigned int i = 0; i + 1 < n_kept; i++) {
         kept[i]->nextpool = kept[i + 1];
     }
@@ -509,6 +578,264 @@ give_back_tail(struct arena_record *record, size_t page, unsigned char *resident
         return 0;  /* still sound: the pools are only carved again */
     }
     return tail;
+}
+
+/* ------------------------------------------------------------------ retired pools
+ *
+ * What a tail leaves is the empty pools below an arena's last pool in use: each keeps
+ * its header page, since the arena's list of empty pools runs through them. Taking such
+ * a pool out of that list means the arena has one free pool less, and that count orders
+ * the allocator's list of arenas that have free pools (`usable_arenas`, the fullest
+ * first, so that the emptiest can empty out and go back), indexed by the last arena with
+ * each count (`nfp2lasta`). `retire_pools` takes an arena's listed pools out (all but
+ * its first pool, whose header names the arena's index), takes their number off both its
+ * count of free pools and its count of pools, moves the arena in the list as the
+ * allocator itself moves an arena whose count changed (out of it if no free pool is
+ * left), and drops the pools whole. The arena keeps them, unused, until its last pool
+ * in use is emptied: with its counts equal, the allocator frees the whole arena as it
+ * frees any other. The list's head and index are statics of the allocator next to its
+ * pointer to the vector: they are found (and checked on each call) as the words within
+ * LIST_WINDOW bytes of it that hold the head of the list and the index that the list's
+ * records themselves give, each exactly once. The list is walked and checked first:
+ * every record in the vector, linked both ways, sorted by count, holding every known
+ * arena with a free pool. If anything does not fit, nothing is written.
+ */
+#define LIST_SLOTS (MAX_POOLS + 1)
+#define LIST_WINDOW 2048
+
+struct arena_list {
+    struct arena_record **head;       /* usable_arenas */
+    struct arena_record **last_with;  /* nfp2lasta: the last arena with each count */
+};
+
+static struct arena_list list_home = {NULL, NULL};
+
+static int
+is_record(const struct records *found, const struct arena_record *at)
+{
+    uintptr_t p = (uintptr_t)at, vector = (uintptr_t)found->vector;
+    return p >= vector && p + sizeof *at <= found->end
+        && (p - vector) % sizeof *at == 0;
+}
+
+/* The head of the allocator's list of arenas with free pools, reached from a known
+ * arena's record, with `last_with` set as its records give it; NULL if it does not
+ * check out (see above), or no known arena has a free pool. */
+static struct arena_record *
+read_list(const struct records *found, struct arena_record **last_with)
+{
+    struct arena_record *start = NULL;
+    for (size_t i = 0; i < n_arenas; i++) {
+        if (!is_arena((uintptr_t)arenas[i].address)) {
+            continue;
+        }
+        struct arena_record *record = record_of(found->vector, &arenas[i]);
+        if (record == NULL) {
+            return NULL;
+        }
+        if (record->nfreepools == 0) {
+            continue;
+        }
+        struct arena_record *prev = record->prevarena;
+        if (prev != NULL && (!is_record(found, prev) || prev->nextarena != record)) {
+            return NULL;
+        }
+        start = record;
+    }
+    if (start == NULL) {
+        return NULL;
+    }
+    size_t limit = (found->end - (uintptr_t)found->vector) / sizeof(struct arena_record);
+    struct arena_record *head = start;
+    for (size_t steps = 0; head->prevarena != NULL; steps++) {
+        struct arena_record *prev = head->prevarena;
+        if (steps == limit || !is_record(found, prev) || prev->nextarena != head) {
+            return NULL;
+        }
+        head = prev;
+    }
+    for (size_t i = 0; i < n_arenas; i++) {  /* no other known arena heads a list */
+        if (is_arena((uintptr_t)arenas[i].address)) {
+            struct arena_record *record = record_of(found->vector, &arenas[i]);
+            if (record->nfreepools > 0 && record->prevarena == NULL && record != head) {
+                return NULL;
+            }
+        }
+    }
+    memset(last_with, 0, LIST_SLOTS * sizeof *last_with);
+    unsigned int count = 1;
+    size_t steps = 0;
+    for (struct arena_record *at = head; at != NULL; at = at->nextarena) {
+        struct arena_record *next = at->nextarena;
+        if (steps++ == limit || at->address == 0 || at->nfreepools < count
+                || at->nfreepools > at->ntotalpools || at->ntotalpools > MAX_POOLS
+                || (next != NULL && (!is_record(found, next) || next->prevarena != at))) {
+            return NULL;
+        }
+        count = at->nfreepools;
+        last_with[count] = at;
+    }
+    return head;
+}
+
+/* Whether `*home` and `last_with` hold what the list's records give. */
+static int
+list_is_at(const struct arena_list *home, struct arena_record *head,
+           struct arena_record **last_with)
+{
+    return *home->head == head
+        && memcmp(home->last_with, last_with, LIST_SLOTS * sizeof *last_with) == 0;
+}
+
+/* The allocator's list of arenas with free pools, into `list`; 0 if not found. */
+static int
+find_list(const struct records *found, struct arena_list *list)
+{
+    struct arena_record *last_with[LIST_SLOTS];
+    struct arena_record *head = read_list(found, last_with);
+    if (head == NULL) {
+        return 0;
+    }
+    if (list_home.head != NULL && list_is_at(&list_home, head, last_with)) {
+        *list = list_home;
+        return 1;
+    }
+    list_home.head = list_home.last_with = NULL;
+    uintptr_t home = (uintptr_t)records_home;
+    uintptr_t lo = home - found->home_lo > LIST_WINDOW ? home - LIST_WINDOW : found->home_lo;
+    uintptr_t hi = found->home_hi - home > LIST_WINDOW ? home + LIST_WINDOW : found->home_hi;
+    lo = (lo + 7) & ~(uintptr_t)7;
+    struct arena_list at = {NULL, NULL};
+    int heads = 0, indexes = 0;
+    for (uintptr_t w = lo; w + sizeof last_with <= hi; w += sizeof(uintptr_t)) {
+        if (memcmp((void *)w, last_with, sizeof last_with) == 0) {
+            at.last_with = (struct arena_record **)w;
+            indexes++;
+        }
+    }
+    if (indexes != 1) {
+        return 0;
+    }
+    uintptr_t index_lo = (uintptr_t)at.last_with, index_hi = index_lo + sizeof last_with;
+    for (uintptr_t w = lo; w + sizeof(uintptr_t) <= hi; w += sizeof(uintptr_t)) {
+        if ((w < index_lo || w >= index_hi) && *(struct arena_record **)w == head) {
+            at.head = (struct arena_record **)w;
+            heads++;
+        }
+    }
+    if (heads != 1) {
+        return 0;
+    }
+    list_home = *list = at;
+    return 1;
+}
+
+/* Moves `arena` in the list to where its new count of free pools puts it, as the
+ * allocator moves one (after the last arena with at most as many; out if none left). */
+static void
+recount(const struct arena_list *list, struct arena_record *arena, unsigned int count)
+{
+    struct arena_record *prev = arena->prevarena, *next = arena->nextarena;
+    if (list->last_with[arena->nfreepools] == arena) {
+        list->last_with[arena->nfreepools] =
+            (prev != NULL && prev->nfreepools == arena->nfreepools) ? prev : NULL;
+    }
+    if (prev != NULL) {
+        prev->nextarena = next;
+    }
+    else {
+        *list->head = next;
+    }
+    if (next != NULL) {
+        next->prevarena = prev;
+    }
+    arena->nfreepools = count;
+    if (count == 0) {
+        return;  /* wholly in use: out of the list, as the allocator leaves such arenas */
+    }
+    struct arena_record *after = NULL;
+    for (unsigned int c = count; c > 0 && after == NULL; c--) {
+        after = list->last_with[c];
+    }
+    arena->prevarena = after;
+    arena->nextarena = after != NULL ? after->nextarena : *list->head;
+    if (arena->nextarena != NULL) {
+        arena->nextarena->prevarena = arena;
+    }
+    if (after != NULL) {
+        after->nextarena = arena;
+    }
+    else {
+        *list->head = arena;
+    }
+    list->last_with[count] = arena;
+}
+
+/* Takes one arena's listed empty pools out of it (all but its first pool) and drops
+ * them whole; bytes given back (resident before), or -1 if its list does not read as
+ * expected. */
+static Py_ssize_t
+retire_arena(struct tracked *arena, struct arena_record *record,
+             const struct arena_list *list, size_t page, unsigned char *resident)
+{
+    uintptr_t first = (record->address + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
+    if (end_of_use(record) == first) {
+        return 0;  /* no pool in use: the allocator frees such an arena itself */
+    }
+    struct pool_header *retired[MAX_POOLS];
+    int n_listed = read_free_list(record, retired);
+    if (n_listed < 0) {
+        return -1;
+    }
+    struct pool_header *kept[2];
+    unsigned int n = 0, n_kept = 0;
+    for (int i = 0; i < n_listed; i++) {
+        if ((uintptr_t)retired[i] == first) {
+            kept[n_kept++] = retired[i];
+        }
+        else {
+            retired[n++] = retired[i];
+        }
+    }
+    sort_pools(retired, n);
+    /* An arena of one pool is never left: each time its pool came free, the allocator
+     * would take it for a wholly empty arena (one free pool of one) and unlink it from
+     * the list through the links it left when the pool was taken. */
+    if (n > 0 && record->ntotalpools - n < 2) {
+        kept[n_kept++] = retired[--n];
+    }
+    if (n == 0) {
+        return 0;
+    }
+    uintptr_t carved = (uintptr_t)record->pool_address;
+    if (mincore((void *)first, carved - first, resident) != 0) {
+        return -1;
+    }
+    sort_pools(kept, n_kept);
+    for (unsigned int i = 0; i < n_kept; i++) {
+        kept[i]->nextpool = i + 1 < n_kept ? kept[i + 1] : NULL;
+    }
+    record->freepools = n_kept > 0 ? kept[0] : NULL;
+    recount(list, record, record->nfreepools - n);
+    record->ntotalpools -= n;
+    arena->retired += n;
+    Py_ssize_t given = 0;
+    for (unsigned int i = 0; i < n;) {
+        unsigned int j = i + 1;  /* a run of adjacent pools: one system call */
+        while (j < n && (uintptr_t)retired[j] == (uintptr_t)retired[j - 1] + POOL_SIZE) {
+            j++;
+        }
+        uintptr_t from = (uintptr_t)retired[i], to = (uintptr_t)retired[j - 1] + POOL_SIZE;
+        Py_ssize_t run = 0;
+        for (uintptr_t p = from; p < to; p += page) {
+            run += (resident[(p - first) / page] & 1) ? (Py_ssize_t)page : 0;
+        }
+        if (madvise((void *)from, to - from, MADV_DONTNEED) == 0) {
+            given += run;
+        }
+        i = j;
+    }
+    return given;
 }
 #endif
 
@@ -532,15 +859,16 @@ give_back_tails(PyObject *module, PyObject *args)
 #if POOL_PAGES
     size_t page = (size_t)sysconf(_SC_PAGESIZE);  /* checked by install() */
     static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
+    struct records found;
     char *records = NULL;
-    if (installed && n_arenas > 0) {
-        records = find_records(page, resident, sizeof resident);
+    if (installed && n_arenas > 0 && find_records(page, resident, sizeof resident, &found)) {
+        records = found.vector;
     }
     for (size_t i = 0; records != NULL && i < n_arenas; i++) {
-        if (!is_arena((uintptr_t)arenas[i])) {
+        if (!is_arena((uintptr_t)arenas[i].address)) {
             continue;  /* as find_records passed it over */
         }
-        struct arena_record *record = record_of(records, (uintptr_t)arenas[i]);
+        struct arena_record *record = record_of(records, &arenas[i]);
         if (record == NULL) {
             break;  /* find_records checked them all: only if the allocator changed */
         }
@@ -559,6 +887,84 @@ give_back_tails(PyObject *module, PyObject *args)
     }
 #endif
     return Py_BuildValue("(nO)", released, done ? Py_True : Py_False);
+}
+
+PyDoc_STRVAR(retire_pools_doc,
+"retire_pools(max_arenas=-1) -> (int, bool)\n\n"
+"Take the empty pools below the last pool in use of each arena known since `install`\n"
+"(all but the arena's first pool) out of the arena and give them back whole: the arena\n"
+"then counts that many pools less, and the allocator frees it once its pools in use are\n"
+"empty. At most max_arenas arenas are done (negative: no limit). (Bytes given back,\n"
+"whether every such pool is given back now.) Nothing is given back where the\n"
+"allocator's arena records and its list of arenas cannot be found and checked.");
+
+static PyObject *
+retire_pools(PyObject *module, PyObject *args)
+{
+    Py_ssize_t budget = -1;
+    if (!PyArg_ParseTuple(args, "|n:retire_pools", &budget)) {
+        return NULL;
+    }
+    Py_ssize_t released = 0;
+    int done = 1;
+#if POOL_PAGES
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);  /* checked by install() */
+    static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
+    struct records found;
+    struct arena_list list;
+    if (!installed || n_arenas == 0
+            || !find_records(page, resident, sizeof resident, &found)
+            || !find_list(&found, &list)) {
+        return Py_BuildValue("(nO)", released, Py_True);
+    }
+    for (size_t i = 0; i < n_arenas; i++) {
+        if (!is_arena((uintptr_t)arenas[i].address)) {
+            continue;
+        }
+        struct arena_record *record = record_of(found.vector, &arenas[i]);
+        if (record == NULL) {
+            break;  /* find_records checked them all: only if the allocator changed */
+        }
+        uintptr_t first = (record->address + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
+        int only_first = record->freepools == NULL
+            || ((uintptr_t)record->freepools == first && record->freepools->nextpool == NULL);
+        if (only_first || end_of_use(record) == first) {
+            continue;  /* nothing to take out */
+        }
+        if (budget == 0) {
+            done = 0;
+            break;
+        }
+        budget--;
+        Py_ssize_t got = retire_arena(&arenas[i], record, &list, page, resident);
+        if (got > 0) {
+            released += got;
+        }
+    }
+#endif
+    return Py_BuildValue("(nO)", released, done ? Py_True : Py_False);
+}
+
+PyDoc_STRVAR(layout_found_doc,
+"layout_found() -> (bool, bool)\n\n"
+"Whether the allocator's vector of arena records, and its list of arenas with free\n"
+"pools (checked through), are found now: what `give_back_tails` and `retire_pools` need.");
+
+static PyObject *
+layout_found(PyObject *module, PyObject *unused)
+{
+    int records = 0, list = 0;
+#if POOL_PAGES
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
+    struct records found;
+    struct arena_list at;
+    if (installed && n_arenas > 0) {
+        records = find_records(page, resident, sizeof resident, &found);
+        list = records && find_list(&found, &at);
+    }
+#endif
+    return Py_BuildValue("(OO)", records ? Py_True : Py_False, list ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(install_doc,
@@ -609,7 +1015,7 @@ release(PyObject *module, PyObject *args)
     unsigned char resident[ARENA_SIZE / MIN_PAGE];
     if (installed) {
         for (size_t i = 0; i < n_arenas && budget != 0; i++) {
-            Py_ssize_t got = release_arena((uintptr_t)arenas[i], page, resident, &budget);
+            Py_ssize_t got = release_arena((uintptr_t)arenas[i].address, page, resident, &budget);
             if (got > 0) {
                 released += got;
             }
@@ -637,6 +1043,8 @@ static PyMethodDef methods[] = {
     {"release", release, METH_VARARGS, release_doc},
     {"arenas", arenas_known, METH_NOARGS, arenas_doc},
     {"give_back_tails", give_back_tails, METH_VARARGS, give_back_tails_doc},
+    {"retire_pools", retire_pools, METH_VARARGS, retire_pools_doc},
+    {"layout_found", layout_found, METH_NOARGS, layout_found_doc},
     {NULL, NULL, 0, NULL},
 };
 

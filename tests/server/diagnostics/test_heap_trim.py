@@ -10,6 +10,7 @@ def no_empty_pools(monkeypatch):
     """The trimmer's logic alone: the process's own empty pools stay where they are."""
     monkeypatch.setattr(heap_trim, "release_empty_pools", lambda max_pools=-1: (0, True))
     monkeypatch.setattr(heap_trim, "give_back_pool_tails", lambda max_arenas=-1: (0, True))
+    monkeypatch.setattr(heap_trim, "retire_empty_pools", lambda max_arenas=-1: (0, True))
 
 
 def test_a_big_release_trims_every_after_tasks_and_at_its_end():
@@ -181,21 +182,25 @@ def test_empty_pools_left_after_the_settling_trims_go_a_step_a_second(monkeypatc
     assert left == [0] and trimmer.pool_bytes == 4096 * (heap_trim.SETTLE_TRIMS + 3)
 
 
-def test_arena_tails_wait_for_the_next_settle_then_go_a_step_a_second(monkeypatch):
+@pytest.mark.parametrize("give_back, step", [("give_back_pool_tails", "TAIL_STEP"),
+                                             ("retire_empty_pools", "RETIRE_STEP")])
+def test_arena_tails_wait_for_the_next_settle_then_go_a_step_a_second(monkeypatch, give_back,
+                                                                      step):
     """The trim that follows the release collects what the job left, the longest pause
-    of the release: the tails are not given back in it, but a second later."""
+    of the release: the arenas' empty pools (their tails, and the pools below their last
+    pool in use) are not given back whole in it, but a second later."""
     calls = []
     monkeypatch.setattr(heap_trim, "trim_heap", lambda: True)
     monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: 0)
     left = [heap_trim.SETTLE_TRIMS + 3]
 
     def tails(max_arenas=-1):
-        assert max_arenas == heap_trim.TAIL_STEP
+        assert max_arenas == getattr(heap_trim, step)
         calls.append("tails")
         left[0] -= 1
         return 2**20, left[0] == 0
 
-    monkeypatch.setattr(heap_trim, "give_back_pool_tails", tails)
+    monkeypatch.setattr(heap_trim, give_back, tails)
     trimmer = HeapTrimmer(after=50_000, collect_below=1_024, collect_after=100_000)
     trimmer.held(200_000)
     assert trimmer.held(0) and calls == []

@@ -181,11 +181,122 @@ def test_a_block_of_the_arena_allocator_that_is_no_arena_is_passed_over():
     assert done.stdout.endswith("ok\n"), done.stdout
 
 
+#: Keeps one row in 20,000, gives back the pages of the empty pools and the arenas'
+#: tails, then takes the empty pools below each arena's last pool in use out of it:
+#: the arenas count fewer pools, and the allocator's list of arenas is reordered. The
+#: rounds of `reuse` then make and free rows around them, and once the rows kept are
+#: freed too, the allocator frees those arenas whole (their counts still add up).
+RETIRE_SCRIPT = PRELUDE + textwrap.dedent("""
+    assert heap_trim.track_arenas()
+    pp = heap_trim.pool_pages
+    rows = [(str(i), [i], {"i": i}) for i in range(700_000)]
+    kept = rows[::20_000]
+    del rows
+    gc.collect()
+    heap_trim.release_empty_pools()
+    heap_trim.give_back_pool_tails()
+    assert pp.layout_found() == (True, True)
+    arenas = pp.arenas()[0]
+    before = rss_mib()
+    blocks = sys.getallocatedblocks()
+    step, done = heap_trim.retire_empty_pools(3)  # a step: 3 arenas
+    assert 0 < step and not done, (step, done)
+    retired, done = heap_trim.retire_empty_pools()
+    retired += step
+    assert done
+    blocks_after = sys.getallocatedblocks()
+    after = rss_mib()
+    print("arenas", arenas, "retired MiB", retired / 2**20, "rss", before, after)
+    assert retired > 2**20, retired
+    assert before - after > 0.8 * retired / 2**20, (before, after, retired)
+    assert abs(blocks_after - blocks) <= 8, (blocks, blocks_after)  # only empty pools went
+    assert heap_trim.retire_empty_pools() == (0, True)
+    assert pp.layout_found() == (True, True)  # the list still checks out, moved arenas too
+
+    def retired_some():
+        heap_trim.release_empty_pools()
+        heap_trim.give_back_pool_tails()
+        assert heap_trim.retire_empty_pools()[0] > 0
+        assert pp.layout_found() == (True, True)
+
+    reuse(retired_some, kept)
+    for row in kept:
+        if len(row) == 3:
+            assert row[0] == str(row[1][0]) == str(row[2]["i"])
+        else:
+            assert row[0] == row[-1]["s"] == str(row[-1]["i"])
+    peak = pp.arenas()[0]
+    del kept, row
+    gc.collect()
+    left = pp.arenas()[0]
+    print("arenas at the peak", peak, "left", left)
+    assert left <= 16, (peak, left)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "pymalloc_debug"])
+def test_empty_pools_below_an_arenas_last_pool_leave_it_and_it_is_freed_when_empty(allocator):
+    env = {"PYTHONMALLOC": allocator, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", RETIRE_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.endswith("ok\n"), done.stdout
+
+
+#: Random batches of rows of random sizes, made, freed and thinned at random, with the
+#: three ways of giving pools back called at random between them, with random budgets:
+#: every row still live reads back intact, and the allocator's list of arenas always
+#: checks out where some known arena has a free pool.
+RANDOM_SCRIPT = textwrap.dedent("""
+    import gc, random, sys
+    from distributed_server.diagnostics import heap_trim
+    pp = heap_trim.pool_pages
+    assert heap_trim.track_arenas()
+    rng = random.Random(int(sys.argv[1]))
+    live, retired, lists = {}, 0, 0
+    for step in range(80):
+        size = rng.randint(1, 12)
+        live[step] = [(str(i),) * size + ({"i": i, "s": "x" * rng.randint(0, 200)},)
+                      for i in range(rng.choice([1_000, 10_000, 100_000]))]
+        for key in rng.sample(sorted(live, key=str), k=min(len(live), rng.randint(0, 3))):
+            batch = live.pop(key)
+            if rng.random() < 0.5:
+                live[f"thinned {key}"] = batch[::rng.choice([97, 1_000, 5_000])]
+            del batch
+        if rng.random() < 0.3:
+            gc.collect()
+        if rng.random() < 0.3:
+            heap_trim.release_empty_pools(rng.choice([-1, 100]))
+        if rng.random() < 0.6:
+            heap_trim.give_back_pool_tails(rng.choice([-1, 3]))
+        retired += heap_trim.retire_empty_pools(rng.choice([-1, 1, 5]))[0]
+        lists += pp.layout_found() == (True, True)
+        for batch in live.values():
+            for row in batch[::max(1, len(batch) // 50)]:
+                assert row[0] == row[-2] == str(row[-1]["i"]), row
+    print("retired MiB", retired / 2**20, "list found", lists, "of 80")
+    assert retired > 10 * 2**20 and lists > 60, (retired, lists)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("allocator, seed", [("pymalloc", 1), ("pymalloc_debug", 2)])
+def test_random_rows_and_random_give_backs_leave_every_row_intact(allocator, seed):
+    env = {"PYTHONMALLOC": allocator, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", RANDOM_SCRIPT, str(seed)],
+                          capture_output=True, text=True, env=env, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.endswith("ok\n"), done.stdout
+
+
 def test_without_pymalloc_nothing_is_known_and_nothing_released():
     code = ("from distributed_server.diagnostics import heap_trim as h\n"
             "h.track_arenas(); x = [str(i) for i in range(200_000)]; del x\n"
-            "print(h.pool_pages.arenas(), h.release_empty_pools(), h.give_back_pool_tails())")
+            "print(h.pool_pages.arenas(), h.release_empty_pools(), h.give_back_pool_tails(),"
+            " h.retire_empty_pools(), h.pool_pages.layout_found())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONMALLOC": "malloc", "PATH": "/usr/bin:/bin"},
                           timeout=60, check=False)
-    assert done.stdout.split("\n")[0] == "(0, 0) (0, True) (0, True)", done.stdout + done.stderr
+    expected = "(0, 0) (0, True) (0, True) (0, True) (False, False)"
+    assert done.stdout.split("\n")[0] == expected, done.stdout + done.stderr
