@@ -473,19 +473,25 @@ find_records(size_t page, unsigned char *resident, size_t resident_len,
     return 0;
 }
 
-/* The end of the arena's last pool in use (its first pool's address if none is). */
+/* The end of the arena's last pool in use, or retired (see "retired pools": its header
+ * reads as zeros); its first pool's address if there is none. */
 static uintptr_t
 end_of_use(const struct arena_record *record)
 {
     uintptr_t first = (record->address + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
     uintptr_t top = (uintptr_t)record->pool_address;
-    while (top > first && ((const struct pool_header *)(top - POOL_SIZE))->ref.count == 0) {
+    while (top > first) {
+        const struct pool_header *below = (const struct pool_header *)(top - POOL_SIZE);
+        if (below->ref.count != 0 || header_is_blank(below)) {
+            break;
+        }
         top -= POOL_SIZE;
     }
     return top;
 }
 
-/* Whether the arena has empty pools above its last pool in use (and a pool in use). */
+/* Whether the arena has empty pools above its last pool in use or retired (and such a
+ * pool). */
 static int
 has_tail(const struct arena_record *record)
 {
@@ -718,7 +724,10 @@ find_list(const struct records *found, struct arena_list *list)
     }
     uintptr_t index_lo = (uintptr_t)at.last_with, index_hi = index_lo + sizeof last_with;
     for (uintptr_t w = lo; w + sizeof(uintptr_t) <= hi; w += sizeof(uintptr_t)) {
-        if ((w < index_lo || w >= index_hi) && *(struct arena_record **)w == head) {
+        /* the pointer to the vector is the head's address too when the head is the
+         * vector's first record */
+        if ((w < index_lo || w >= index_hi) && w != home
+                && *(struct arena_record **)w == head) {
             at.head = (struct arena_record **)w;
             heads++;
         }
@@ -771,30 +780,32 @@ recount(const struct arena_list *list, struct arena_record *arena, unsigned int 
     list->last_with[count] = arena;
 }
 
-/* Takes one arena's listed empty pools out of it (all but its first pool) and drops
- * them whole; bytes given back (resident before), or -1 if its list does not read as
+/* The arena's listed empty pools that `retire_arena` would take out: those below its
+ * last pool in use (those above are its tail), but its first pool. Into `retired` (their
+ * number), the rest of the list into `kept` (*n_kept); -1 if the list does not read as
  * expected. */
-static Py_ssize_t
-retire_arena(struct tracked *arena, struct arena_record *record,
-             const struct arena_list *list, size_t page, unsigned char *resident)
+static int
+retirable(const struct arena_record *record, struct pool_header **retired,
+          struct pool_header **kept, unsigned int *n_kept)
 {
     uintptr_t first = (record->address + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
-    if (end_of_use(record) == first) {
+    if (record->freepools == NULL || record->nfreepools == record->ntotalpools) {
         return 0;  /* no pool in use: the allocator frees such an arena itself */
     }
-    struct pool_header *retired[MAX_POOLS];
-    int n_listed = read_free_list(record, retired);
+    uintptr_t top = end_of_use(record);
+    int n_listed = read_free_list(record, kept);
     if (n_listed < 0) {
         return -1;
     }
-    struct pool_header *kept[2];
-    unsigned int n = 0, n_kept = 0;
+    unsigned int n = 0;
+    *n_kept = 0;
     for (int i = 0; i < n_listed; i++) {
-        if ((uintptr_t)retired[i] == first) {
-            kept[n_kept++] = retired[i];
+        uintptr_t at = (uintptr_t)kept[i];
+        if (at == first || at >= top) {
+            kept[(*n_kept)++] = kept[i];
         }
         else {
-            retired[n++] = retired[i];
+            retired[n++] = kept[i];
         }
     }
     sort_pools(retired, n);
@@ -802,16 +813,25 @@ retire_arena(struct tracked *arena, struct arena_record *record,
      * would take it for a wholly empty arena (one free pool of one) and unlink it from
      * the list through the links it left when the pool was taken. */
     if (n > 0 && record->ntotalpools - n < 2) {
-        kept[n_kept++] = retired[--n];
+        kept[(*n_kept)++] = retired[--n];
     }
-    if (n == 0) {
-        return 0;
-    }
+    return (int)n;
+}
+
+/* Takes the `retirable` pools of one arena out of it and drops them whole; bytes given
+ * back (resident before), or -1 if they cannot be read. */
+static Py_ssize_t
+retire_arena(struct tracked *arena, struct arena_record *record,
+             const struct arena_list *list, struct pool_header **retired, unsigned int n,
+             struct pool_header **kept, unsigned int n_kept, size_t page,
+             unsigned char *resident)
+{
+    uintptr_t first = (record->address + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
     uintptr_t carved = (uintptr_t)record->pool_address;
     if (mincore((void *)first, carved - first, resident) != 0) {
         return -1;
     }
-    sort_pools(kept, n_kept);
+    sort_pools(kept, n_kept);  /* the allocator then takes the lowest first */
     for (unsigned int i = 0; i < n_kept; i++) {
         kept[i]->nextpool = i + 1 < n_kept ? kept[i + 1] : NULL;
     }
@@ -896,7 +916,8 @@ PyDoc_STRVAR(retire_pools_doc,
 "then counts that many pools less, and the allocator frees it once its pools in use are\n"
 "empty. At most max_arenas arenas are done (negative: no limit). (Bytes given back,\n"
 "whether every such pool is given back now.) Nothing is given back where the\n"
-"allocator's arena records and its list of arenas cannot be found and checked.");
+"allocator's arena records and its list of arenas cannot be found and checked, nor in\n"
+"a debug build of CPython.");
 
 static PyObject *
 retire_pools(PyObject *module, PyObject *args)
@@ -907,7 +928,9 @@ retire_pools(PyObject *module, PyObject *args)
     }
     Py_ssize_t released = 0;
     int done = 1;
-#if POOL_PAGES
+    /* Not in a debug build of CPython: its allocator statistics assert that every empty
+     * pool below the carving point is on its arena's list. */
+#if POOL_PAGES && !defined(Py_DEBUG)
     size_t page = (size_t)sysconf(_SC_PAGESIZE);  /* checked by install() */
     static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
     struct records found;
@@ -925,18 +948,19 @@ retire_pools(PyObject *module, PyObject *args)
         if (record == NULL) {
             break;  /* find_records checked them all: only if the allocator changed */
         }
-        uintptr_t first = (record->address + POOL_SIZE - 1) & ~(POOL_SIZE - 1);
-        int only_first = record->freepools == NULL
-            || ((uintptr_t)record->freepools == first && record->freepools->nextpool == NULL);
-        if (only_first || end_of_use(record) == first) {
-            continue;  /* nothing to take out */
+        struct pool_header *retired[MAX_POOLS], *kept[MAX_POOLS];
+        unsigned int n_kept = 0;
+        int n = retirable(record, retired, kept, &n_kept);
+        if (n <= 0) {
+            continue;  /* nothing to take out, or a list that does not read as expected */
         }
         if (budget == 0) {
             done = 0;
             break;
         }
         budget--;
-        Py_ssize_t got = retire_arena(&arenas[i], record, &list, page, resident);
+        Py_ssize_t got = retire_arena(&arenas[i], record, &list, retired, (unsigned int)n,
+                                      kept, n_kept, page, resident);
         if (got > 0) {
             released += got;
         }

@@ -244,6 +244,42 @@ def test_empty_pools_below_an_arenas_last_pool_leave_it_and_it_is_freed_when_emp
     assert done.stdout.endswith("ok\n"), done.stdout
 
 
+#: Bytes of one size class, a few kept in every eighth pool; the pools below each arena's
+#: last pool in use are retired. Then every other kept pool empties, so arenas whose top
+#: pool came free have a tail above pools that were retired: that tail must be given
+#: back like any other (a review found the first version stuck on it for good, a step's
+#: budget spent on each such arena on every call).
+TOP_EMPTIED_SCRIPT = PRELUDE + textwrap.dedent("""
+    assert heap_trim.track_arenas()
+    pool = 1 << 14
+    rows = [b"%040d" % i for i in range(1_200_000)]
+    kept = [row for row in rows if (id(row) >> 14) % 8 == 0 and id(row) % pool < 200]
+    del rows
+    gc.collect()
+    heap_trim.give_back_pool_tails()
+    assert heap_trim.retire_empty_pools()[0] > 0
+    kept = [row for row in kept if (id(row) >> 14) % 16 == 0]
+    gc.collect()
+    tails, steps, done = 0, 0, False
+    while not done and steps < 10_000:
+        got, done = heap_trim.give_back_pool_tails(1)
+        tails, steps = tails + got, steps + 1
+    print("tails MiB", tails / 2**20, "in", steps, "steps")
+    assert done and tails > 2**18, (done, tails, steps)
+    assert heap_trim.give_back_pool_tails() == (0, True)
+    assert heap_trim.pool_pages.layout_found() == (True, True)
+    assert all(len(row) == 40 for row in kept)
+    print("ok")
+""")
+
+
+def test_a_tail_above_retired_pools_goes_back_too():
+    done = subprocess.run([sys.executable, "-c", TOP_EMPTIED_SCRIPT], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin"}, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.endswith("ok\n"), done.stdout
+
+
 #: Random batches of rows of random sizes, made, freed and thinned at random, with the
 #: three ways of giving pools back called at random between them, with random budgets:
 #: every row still live reads back intact, and the allocator's list of arenas always
