@@ -37,7 +37,7 @@ What this module does (all of it on the client)
   those module names in the pickle — or the standard pickler fails (lambdas, local
   functions); then cloudpickle pickles it by value, each such function once per graph.
 - `gc_paused`: the cyclic garbage collector is off while a graph is materialized,
-  planned and pickled (the objects made then live until the graph is sent).
+  planned, pickled and sent (the objects made then live until the graph is sent).
 - `DefaultScheduler`: makes a Client dask's default scheduler (``dask.config``
   ``scheduler``), with the task-based dataframe shuffle unless one is configured, and
   undoes it when the client closes.
@@ -48,9 +48,7 @@ whatever the graph's functions import) but no code of their own for it.
 """
 from __future__ import annotations
 
-import contextlib
 import copyreg
-import gc
 import heapq
 import importlib.util
 import io
@@ -62,6 +60,8 @@ import types
 from collections.abc import Callable, Mapping
 
 import cloudpickle
+
+from .gc_pause import collector_paused
 
 # named as before the layout (the name users configure)
 logger = logging.getLogger("distributed_server.dask_support")
@@ -89,20 +89,13 @@ _dask_found: bool | None = None
 _MISSING = object()
 
 
-@contextlib.contextmanager
 def gc_paused():
-    """No cyclic garbage collection inside (if it was on): materializing and ordering a
-    large graph creates long-lived objects by the hundred thousand, and every full
-    collection meanwhile would walk all of them (a quarter of the time for 200,000
-    tasks). Objects freed by reference counting are freed as usual."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+    """No automatic cyclic garbage collection inside (`gc_pause.collector_paused`: nested
+    and concurrent blocks share one pause): materializing and ordering a large graph
+    creates long-lived objects by the hundred thousand, and every full collection
+    meanwhile would walk all of them (a quarter of the time for 200,000 tasks). Objects
+    freed by reference counting are freed as usual."""
+    return collector_paused()
 
 
 def dask_available() -> bool:

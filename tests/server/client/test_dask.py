@@ -10,6 +10,7 @@ encoded (slices, frontier keys, annotations, keys).
 """
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -527,6 +528,27 @@ def test_a_graph_in_many_slices(client, monkeypatch):
     assert client.get(graph, root) == sum(range(1, 2001))
     x = da.arange(5000, chunks=10)
     assert x.sum().compute() == sum(range(5000))
+    wait_until_no_tasks(client)
+
+
+def test_the_collector_stays_paused_from_the_first_slice_to_the_last(client, monkeypatch):
+    """Resumed between slices, the automatic collector walked the graph's objects again
+    and again; it is back on once the graph is sent."""
+    monkeypatch.setattr(dask_support, "SLICE_TASKS", 97)
+    adapt = dask_support.GraphPlan.adapt
+    collecting: list = []
+
+    def recorded(plan, *args):  # a slice answered: between two slices
+        collecting.append(gc.isenabled())
+        return adapt(plan, *args)
+
+    monkeypatch.setattr(dask_support.GraphPlan, "adapt", recorded)
+    assert gc.isenabled()
+    graph, root = tree_graph(2000)
+    assert client.get(graph, root) == sum(range(1, 2001))  # sent, then gathered
+    assert da.arange(5000, chunks=10).sum().compute() == sum(range(5000))
+    assert len(collecting) > 10 and not any(collecting), collecting
+    assert gc.isenabled()
     wait_until_no_tasks(client)
 
 
