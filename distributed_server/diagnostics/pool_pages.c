@@ -473,6 +473,20 @@ find_records(size_t page, unsigned char *resident, size_t resident_len,
     return 0;
 }
 
+/* mincore's answer for up to 64 arenas' worth of pages (the static data searched, or
+ * one arena): one buffer, as everything here runs with the GIL held. */
+static unsigned char resident_pages[64 * ARENA_SIZE / MIN_PAGE];
+
+/* The allocator's records, into `found`; 0 if not installed, no arena is known yet, or
+ * they are not found. */
+static int
+records_now(struct records *found)
+{
+    return installed && n_arenas > 0
+        && find_records((size_t)sysconf(_SC_PAGESIZE), resident_pages,
+                        sizeof resident_pages, found);
+}
+
 /* The end of the arena's last pool in use, or retired (see "retired pools": its header
  * reads as zeros); its first pool's address if there is none. */
 static uintptr_t
@@ -878,12 +892,8 @@ give_back_tails(PyObject *module, PyObject *args)
     int done = 1;
 #if POOL_PAGES
     size_t page = (size_t)sysconf(_SC_PAGESIZE);  /* checked by install() */
-    static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
     struct records found;
-    char *records = NULL;
-    if (installed && n_arenas > 0 && find_records(page, resident, sizeof resident, &found)) {
-        records = found.vector;
-    }
+    char *records = records_now(&found) ? found.vector : NULL;
     for (size_t i = 0; records != NULL && i < n_arenas; i++) {
         if (!is_arena((uintptr_t)arenas[i].address)) {
             continue;  /* as find_records passed it over */
@@ -900,7 +910,7 @@ give_back_tails(PyObject *module, PyObject *args)
             break;
         }
         budget--;
-        Py_ssize_t got = give_back_tail(record, page, resident);
+        Py_ssize_t got = give_back_tail(record, page, resident_pages);
         if (got > 0) {
             released += got;
         }
@@ -932,12 +942,9 @@ retire_pools(PyObject *module, PyObject *args)
      * pool below the carving point is on its arena's list. */
 #if POOL_PAGES && !defined(Py_DEBUG)
     size_t page = (size_t)sysconf(_SC_PAGESIZE);  /* checked by install() */
-    static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
     struct records found;
     struct arena_list list;
-    if (!installed || n_arenas == 0
-            || !find_records(page, resident, sizeof resident, &found)
-            || !find_list(&found, &list)) {
+    if (!records_now(&found) || !find_list(&found, &list)) {
         return Py_BuildValue("(nO)", released, Py_True);
     }
     for (size_t i = 0; i < n_arenas; i++) {
@@ -960,7 +967,7 @@ retire_pools(PyObject *module, PyObject *args)
         }
         budget--;
         Py_ssize_t got = retire_arena(&arenas[i], record, &list, retired, (unsigned int)n,
-                                      kept, n_kept, page, resident);
+                                      kept, n_kept, page, resident_pages);
         if (got > 0) {
             released += got;
         }
@@ -979,14 +986,10 @@ layout_found(PyObject *module, PyObject *unused)
 {
     int records = 0, list = 0;
 #if POOL_PAGES
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    static unsigned char resident[64 * ARENA_SIZE / MIN_PAGE];
     struct records found;
     struct arena_list at;
-    if (installed && n_arenas > 0) {
-        records = find_records(page, resident, sizeof resident, &found);
-        list = records && find_list(&found, &at);
-    }
+    records = records_now(&found);
+    list = records && find_list(&found, &at);
 #endif
     return Py_BuildValue("(OO)", records ? Py_True : Py_False, list ? Py_True : Py_False);
 }

@@ -17,9 +17,23 @@ if heap_trim.pool_pages is None:
         pytest.fail("the compiled install lacks distributed_server.diagnostics.pool_pages")
     pytest.skip("the interpreted install has no pool_pages", allow_module_level=True)
 
-#: What both scripts begin with: the RSS, and rounds that take the pools given back
-#: again, for rows of other sizes, check every row, keep a few of them in ``kept`` (if
-#: given), free the rest, and call ``then`` (which gives memory back).
+def run_script(script: str, *args: str, allocator: str | None = None,
+               timeout: float = 120) -> None:
+    """Runs ``script`` in a fresh interpreter (with ``PYTHONMALLOC=allocator`` if given):
+    it must exit cleanly, its output ending in ``ok``."""
+    env = {"PATH": "/usr/bin:/bin"}
+    if allocator is not None:
+        env["PYTHONMALLOC"] = allocator
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.endswith("ok\n"), done.stdout
+
+
+#: What the scripts begin with: the RSS; rounds that take the pools given back again,
+#: for rows of other sizes, check every row, keep a few of them in ``kept`` (if given),
+#: free the rest, and call ``then`` (which gives memory back); and the check of the rows
+#: kept (those of the first rows, and of the rounds).
 PRELUDE = textwrap.dedent("""
     import gc, random, sys
     from distributed_server.diagnostics import heap_trim
@@ -43,6 +57,13 @@ PRELUDE = textwrap.dedent("""
             del rows
             gc.collect()
             then()
+
+    def check_kept(kept):
+        for row in kept:
+            if len(row) == 3:
+                assert row[0] == str(row[1][0]) == str(row[2]["i"])
+            else:
+                assert row[0] == row[-1]["s"] == str(row[-1]["i"])
 """)
 
 #: Builds a quarter of a GiB of small objects, keeps one in 2,000 of them (enough to
@@ -79,11 +100,7 @@ SCRIPT = PRELUDE + textwrap.dedent("""
 def test_empty_pools_go_back_to_the_os_and_the_memory_is_reused_soundly(allocator):
     """Under the debug allocator, a block damaged by a dropped page would be reported
     (it checks the guard bytes around every block it frees)."""
-    env = {"PYTHONMALLOC": allocator, "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=120, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.endswith("ok\n"), done.stdout
+    run_script(SCRIPT, allocator=allocator)
 
 
 #: Keeps one row in 20,000 (a few blocks in most arenas), gives the empty pools' pages
@@ -127,11 +144,7 @@ TAILS_SCRIPT = PRELUDE + textwrap.dedent("""
         assert heap_trim.give_back_pool_tails()[0] > 0
 
     reuse(gave_back_tails, kept)
-    for row in kept:
-        if len(row) == 3:
-            assert row[0] == str(row[1][0]) == str(row[2]["i"])
-        else:
-            assert row[0] == row[-1]["s"] == str(row[-1]["i"])
+    check_kept(kept)
     print("ok")
 """)
 
@@ -141,11 +154,7 @@ def test_empty_pools_at_an_arenas_end_go_back_whole_and_are_carved_again(allocat
     """The arena's record is changed (its list of empty pools, where it carves next):
     the rows made afterwards in those pools must read back intact, and the debug
     allocator checks every block it frees."""
-    env = {"PYTHONMALLOC": allocator, "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", TAILS_SCRIPT], capture_output=True,
-                          text=True, env=env, timeout=120, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.endswith("ok\n"), done.stdout
+    run_script(TAILS_SCRIPT, allocator=allocator)
 
 
 #: A frame with 70,000 locals takes a 1 MiB chunk of the interpreter's frame stack from
@@ -175,10 +184,7 @@ DEEP_FRAME_SCRIPT = PRELUDE + textwrap.dedent("""
 
 
 def test_a_block_of_the_arena_allocator_that_is_no_arena_is_passed_over():
-    done = subprocess.run([sys.executable, "-c", DEEP_FRAME_SCRIPT], capture_output=True,
-                          text=True, env={"PATH": "/usr/bin:/bin"}, timeout=120, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.endswith("ok\n"), done.stdout
+    run_script(DEEP_FRAME_SCRIPT)
 
 
 #: Keeps one row in 20,000, gives back the pages of the empty pools and the arenas'
@@ -220,13 +226,9 @@ RETIRE_SCRIPT = PRELUDE + textwrap.dedent("""
         assert pp.layout_found() == (True, True)
 
     reuse(retired_some, kept)
-    for row in kept:
-        if len(row) == 3:
-            assert row[0] == str(row[1][0]) == str(row[2]["i"])
-        else:
-            assert row[0] == row[-1]["s"] == str(row[-1]["i"])
+    check_kept(kept)
     peak = pp.arenas()[0]
-    del kept, row
+    del kept
     gc.collect()
     left = pp.arenas()[0]
     print("arenas at the peak", peak, "left", left)
@@ -237,11 +239,7 @@ RETIRE_SCRIPT = PRELUDE + textwrap.dedent("""
 
 @pytest.mark.parametrize("allocator", ["pymalloc", "pymalloc_debug"])
 def test_empty_pools_below_an_arenas_last_pool_leave_it_and_it_is_freed_when_empty(allocator):
-    env = {"PYTHONMALLOC": allocator, "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", RETIRE_SCRIPT], capture_output=True,
-                          text=True, env=env, timeout=120, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.endswith("ok\n"), done.stdout
+    run_script(RETIRE_SCRIPT, allocator=allocator)
 
 
 #: Bytes of one size class, a few kept in every eighth pool; the pools below each arena's
@@ -274,10 +272,7 @@ TOP_EMPTIED_SCRIPT = PRELUDE + textwrap.dedent("""
 
 
 def test_a_tail_above_retired_pools_goes_back_too():
-    done = subprocess.run([sys.executable, "-c", TOP_EMPTIED_SCRIPT], capture_output=True,
-                          text=True, env={"PATH": "/usr/bin:/bin"}, timeout=120, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.endswith("ok\n"), done.stdout
+    run_script(TOP_EMPTIED_SCRIPT)
 
 
 #: Random batches of rows of random sizes, made, freed and thinned at random, with the
@@ -319,11 +314,7 @@ RANDOM_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("allocator, seed", [("pymalloc", 1), ("pymalloc_debug", 2)])
 def test_random_rows_and_random_give_backs_leave_every_row_intact(allocator, seed):
-    env = {"PYTHONMALLOC": allocator, "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", RANDOM_SCRIPT, str(seed)],
-                          capture_output=True, text=True, env=env, timeout=240, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.endswith("ok\n"), done.stdout
+    run_script(RANDOM_SCRIPT, str(seed), allocator=allocator, timeout=240)
 
 
 def test_without_pymalloc_nothing_is_known_and_nothing_released():
