@@ -229,8 +229,8 @@ def job_dask(client, cluster, phases: Phases, n: int) -> dict:
     The intake's CPU on the caller is split three ways: dask's own work inside
     ``client.compute`` (optimizing and materializing its graph: our `materialize`),
     dask's ordering (``dask.order.order``, which dask.distributed runs on its
-    scheduler), and ours (everything else: the futures, the plan, pickling each node,
-    sending), with pickling apart."""
+    scheduler), and ours (everything else: the futures, the plan, pickling the nodes
+    (a slice's together, as a spec part), sending), with pickling apart."""
     import dask
     import dask.array as da
     import dask.order
@@ -243,12 +243,14 @@ def job_dask(client, cluster, phases: Phases, n: int) -> dict:
     unoptimized = len(graph)
     del graph
     phases.end()
+    scheduler_before = phases.process.memory_info().rss
     phases.begin("dask: intake")
     received = _graph_tasks(cluster)
     cpu = _cpu()
     spent: dict = {}
     with _cpu_of(dask_graphs, "materialize", spent), _cpu_of(dask.order, "order", spent), \
             _cpu_of(dask_graphs.SpecPickler, "dumps", spent), \
+            _cpu_of(dask_graphs.SpecPickler, "dumps_together", spent), \
             dask.config.set(scheduler=None):
         future = client.compute(total)
     cpu = _cpu() - cpu
@@ -257,17 +259,20 @@ def job_dask(client, cluster, phases: Phases, n: int) -> dict:
     assert future.result() == 2 * n
     phases.end()
     tasks = _graph_tasks(cluster) - received  # as dask optimized it (fused)
+    scheduler_peak = max(phases.peak["dask: intake"], phases.peak["dask: run"])
     phases.begin("dask: release")
     del future
     _until_empty(cluster)
     phases.end()
     dasks = spent.get("materialize", 0.0) + spent.get("order", 0.0)
     return {"dask_tasks": tasks, "dask_tasks_before_optimization": unoptimized,
+            "dask_scheduler_bytes_per_task": (scheduler_peak - scheduler_before) / tasks,
             "dask_intake_caller_cpu_us_per_task": 1e6 * cpu / tasks,
             "dask_materialize_cpu_us_per_task": 1e6 * spent.get("materialize", 0.0) / tasks,
             "dask_order_cpu_us_per_task": 1e6 * spent.get("order", 0.0) / tasks,
             "dask_ours_cpu_us_per_task": 1e6 * (cpu - dasks) / tasks,
-            "dask_pickle_cpu_us_per_task": 1e6 * spent.get("dumps", 0.0) / tasks}
+            "dask_pickle_cpu_us_per_task":
+                1e6 * (spent.get("dumps", 0.0) + spent.get("dumps_together", 0.0)) / tasks}
 
 
 class _cpu_of:
@@ -443,6 +448,11 @@ def report(result: dict) -> str:
             f"{result['dask_order_cpu_us_per_task']:.1f} (dask.order); ours {ours:.1f}, of "
             f"which pickling the nodes {result['dask_pickle_cpu_us_per_task']:.1f} (target: "
             f"ours <= {TARGET_INTAKE_US}): {'met' if ours <= TARGET_INTAKE_US else 'MISSED'}")
+        grew = result["dask_scheduler_bytes_per_task"]
+        lines.append(
+            f"dask: scheduler grew {grew:,.0f} B per task (peak RSS of intake and run - RSS "
+            f"before; target <= {TARGET_SCHEDULER_BYTES}): "
+            f"{'met' if grew <= TARGET_SCHEDULER_BYTES else 'MISSED'}")
     if "map_first_task_done_s" in result:
         lines.extend(_map_targets(result))
     if "next_round_trip_s" in result:

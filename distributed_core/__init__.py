@@ -66,6 +66,9 @@ ClientState = _core.ClientState
 TaskPrefix = _core.TaskPrefix
 TaskTable = _core.TaskTable
 TaskSet = _core.TaskSet
+SpecPart = _core.SpecPart
+#: How a worker's spec that refers into a `SpecPart` begins.
+SPEC_PART_PREFIX = _core.SPEC_PART_PREFIX
 SchedulerState = _core.SchedulerState
 InvalidTransition = _core.InvalidTransition
 InvariantError = _core.InvariantError
@@ -94,7 +97,7 @@ SKIPPED = _worker_core.SKIPPED
 
 __all__ = [
     "COMPILED", "CORE_FILE", "WORKER_CORE_FILE", "TaskState", "WorkerState", "ClientState",
-    "TaskPrefix", "TaskTable", "TaskSet", "SchedulerState", "InvalidTransition", "InvariantError",
+    "TaskPrefix", "TaskTable", "TaskSet", "SpecPart", "SPEC_PART_PREFIX", "SchedulerState", "InvalidTransition", "InvariantError",
     "InvalidStimulus",
     "Unauthorized", "GraphError", "TransitionLimitExceeded", "bounded_repr", "TASK_STATES",
     "key_prefix", "WorkerTask", "WorkerCore", "WORKER_TASK_STATES", "Execute", "Fetch",

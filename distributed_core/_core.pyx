@@ -822,6 +822,51 @@ class TaskOptions:
                 f"loose={self.loose}>")
 
 
+#: How a task's reference into a spec part begins, on the wire to a worker: then the
+#: part's number (8 bytes) and the task's index in it (4 bytes), little-endian. A pickle
+#: never begins so (its first byte is 0x80).
+SPEC_PART_PREFIX = b"dcore-spec-part:"
+
+
+@cython.dataclasses.dataclass(init=False, repr=False, eq=False)
+@cython.final
+@cython.cclass
+class SpecPart:
+    """The run specs of a slice of a graph, pickled together by the client: one pickle of
+    a list, whose memo they share (a dask node's classes, functions and names once per
+    slice, not once per task). Opaque bytes like any spec: held once for all its tasks,
+    sent as they are, once, to each worker that is given one of them (``holders``).
+
+    A task of a part holds the part as its run spec and its index in the list as its
+    ``order``; a worker is sent ``SPEC_PART_PREFIX``, the part's number and that index.
+    When the last of its tasks is forgotten, its holders are told to drop it.
+    """
+
+    number: cython.Py_ssize_t  # unique in this state; 0 until its graph is taken
+    blob: object  # the pickled list (bytes)
+    n_tasks: cython.Py_ssize_t  # tasks holding it, not forgotten
+    holders: set  # WorkerStates it was sent to
+
+    if not cython.compiled:
+        __slots__ = tuple(__annotations__)
+
+    def __init__(self, blob):
+        self.number = 0
+        self.blob = blob
+        self.n_tasks = 0
+        self.holders = set()
+
+    def reference(self, index: cython.Py_ssize_t) -> bytes:
+        """What a worker is sent as the spec of the task at ``index``."""
+        number: object = self.number
+        position: object = index
+        return SPEC_PART_PREFIX + number.to_bytes(8, "little") + position.to_bytes(4, "little")
+
+    def __repr__(self):
+        return (f"<SpecPart {self.number} {len(self.blob)} bytes tasks={self.n_tasks} "
+                f"holders={len(self.holders)}>")
+
+
 @cython.dataclasses.dataclass(init=False, repr=False, eq=False)
 @cython.final
 @cython.no_gc
@@ -841,7 +886,7 @@ class TaskState:
     # annotations, an error) in one optional TaskOptions.
     key: object
     prefix: TaskPrefix
-    run_spec: object  # opaque bytes; None for data that was scattered, not computed
+    run_spec: object  # opaque bytes or a SpecPart; None for data scattered, not computed
     generation: cython.Py_ssize_t  # which update_graph brought it
     priority_user: cython.int  # negated user priority: lower runs first
     order: cython.int  # position in its graph's order
@@ -1237,7 +1282,8 @@ def _check_task_entry(i: cython.Py_ssize_t, entry) -> object:
 @cython.cfunc
 def _check_new_task(key, entry: dict) -> None:
     """Check the fields of a task dict whose key the scheduler does not know yet."""
-    if not isinstance(entry.get("spec"), _BYTES):
+    spec = entry.get("spec")
+    if not isinstance(spec, _BYTES) and type(spec) is not SpecPart:
         raise GraphError(f"task {bounded_repr(key)} has no run spec (bytes)")
     deps = entry.get("deps")
     if deps is not None and not isinstance(deps, _SEQUENCE):
@@ -1265,6 +1311,48 @@ def _check_new_task(key, entry: dict) -> None:
     if annotations is not None and not isinstance(annotations, dict):
         raise GraphError(f"task {bounded_repr(key)}: 'annotations' must be a dict, not "
                          f"{bounded_repr(annotations)}")
+
+
+@cython.cfunc
+def _part_entries(part) -> list:
+    """The task dicts of an update-graph's ``part``: ``{"blob": bytes, "keys": [key,
+    ...], "deps": [key, ...], "ndeps": [int, ...]}``, the keys' dependencies one after
+    another (``ndeps`` of them for each key). The task at index ``i`` holds the part as
+    its spec and ``i`` as its order. Raise GraphError if the part is malformed."""
+    if type(part) is not dict:
+        raise GraphError(f"'part' must be a dict, not {bounded_repr(part)}")
+    blob = part.get("blob")
+    keys = part.get("keys")
+    deps = part.get("deps")
+    counts = part.get("ndeps")
+    if not isinstance(blob, _BYTES):
+        raise GraphError(f"the part's 'blob' must be bytes, not {bounded_repr(blob)}")
+    for name, value in (("keys", keys), ("deps", deps), ("ndeps", counts)):
+        if not isinstance(value, _SEQUENCE):
+            raise GraphError(f"the part's {name!r} must be a list, not {bounded_repr(value)}")
+    n: cython.Py_ssize_t = len(keys)
+    if len(counts) != n or n > _INT32_MAX:
+        raise GraphError(f"the part has {n} keys and {len(counts)} dependency counts")
+    spec = SpecPart(blob if type(blob) is bytes else bytes(blob))
+    entries = []
+    start: cython.Py_ssize_t = 0
+    stop: cython.Py_ssize_t
+    i: cython.Py_ssize_t
+    n_deps: cython.Py_ssize_t = len(deps)
+    for i in range(n):
+        count = counts[i]
+        if type(count) is not int or not 0 <= count <= n_deps - start:
+            raise GraphError(f"the part's dependency count #{i} is {bounded_repr(count)}, "
+                             f"with {n_deps - start} dependencies left")
+        entry = {"key": keys[i], "spec": spec, "order": i}
+        if count:
+            stop = start + count
+            entry["deps"] = deps[start:stop]
+            start = stop
+        entries.append(entry)
+    if start != n_deps:
+        raise GraphError(f"the part lists {n_deps} dependencies and counts {start}")
+    return entries
 
 
 @cython.cfunc
@@ -1340,6 +1428,7 @@ class SchedulerState:
     _forget_budget: cython.Py_ssize_t  # forgets this stimulus may still do; -1: no limit
     _forget_later: dict  # TaskState -> None: to forget, left for forget_more
     generation: cython.Py_ssize_t
+    _n_spec_parts: cython.Py_ssize_t  # SpecParts taken in, ever (the last one's number)
     queue_picks: cython.Py_ssize_t  # queued tasks taken for workers, ever
     _picked_task: TaskState  # _pop_queued chose it for _picked_worker; taken next
     _picked_worker: WorkerState
@@ -1416,6 +1505,7 @@ class SchedulerState:
         self._tasks_peak = 0
         self._shrinking = None
         self.generation = 0
+        self._n_spec_parts = 0
         self.queue_picks = 0
         self._picked_task = None
         self._picked_worker = None
@@ -1619,16 +1709,25 @@ class SchedulerState:
         for ts in lost:
             self._transition(ts, _S_RELEASED)
 
-    def update_graph(self, client, tasks, keys, stimulus_id) -> tuple:
+    def update_graph(self, client, tasks, keys, stimulus_id, part=None) -> tuple:
         """A client submits tasks and names the keys it wants.
 
-        Known keys are reused. A bad graph changes nothing (the client is not even
-        registered): the client is sent one ``graph-refused`` message saying why.
+        ``part``: more tasks, whose specs were pickled together (`SpecPart`;
+        `_part_entries` gives its form). Known keys are reused. A bad graph changes
+        nothing (the client is not even registered): the client is sent one
+        ``graph-refused`` message saying why.
         """
         _check_str(stimulus_id, "stimulus_id")
         _check_str(client, "client")
         cs: ClientState
+        spec_part: SpecPart = None
         try:
+            if part is not None:
+                entries = _part_entries(part)
+                if entries:
+                    spec_part = entries[0]["spec"]
+                if isinstance(tasks, _SEQUENCE):
+                    tasks = [*tasks, *entries] if tasks else entries
             new = self._check_graph(tasks, keys)
         except GraphError as exc:
             self._begin(stimulus_id)
@@ -1640,6 +1739,9 @@ class SchedulerState:
             self._send_client(cs, {"op": "graph-refused", "error": str(exc), "keys": wanted})
             return self._end()
         self._begin(stimulus_id)
+        if spec_part is not None:
+            self._n_spec_parts += 1
+            spec_part.number = self._n_spec_parts
         cs = self._client(client)
         created = self._create_tasks(new)
         ts: TaskState
@@ -3639,6 +3741,8 @@ class SchedulerState:
                                               or dep.state_id == _S_MEMORY):
                     self._recs[dep] = _S_FORGOTTEN
         ts.dependencies = _NO_DEPENDENCIES
+        if type(ts.run_spec) is SpecPart:
+            self._part_task_gone(ts.run_spec)
         ts.run_spec = None
         ts.error = None
         ts.state_id = _S_FORGOTTEN
@@ -4025,7 +4129,10 @@ class SchedulerState:
         if self._saturated(ws):
             self.idle.pop(ws.address, None)
         ts.state_id = _S_PROCESSING
-        msg = {"op": "compute-task", "key": ts.key, "spec": ts.run_spec,
+        spec = ts.run_spec
+        if type(spec) is SpecPart:
+            spec = self._part_reference(spec, ts, ws)
+        msg = {"op": "compute-task", "key": ts.key, "spec": spec,
                "priority": (ts.priority_user, ts.generation, ts.order),
                "stimulus_id": self._stimulus_id}
         if ts.dependencies:
@@ -4044,6 +4151,25 @@ class SchedulerState:
         if ts.options is not None and ts.options.resources is not None:
             msg["resources"] = ts.options.resources
         self._send_worker(ws, msg)
+
+    @cython.cfunc
+    def _part_reference(self, part: SpecPart, ts: TaskState, ws: WorkerState) -> bytes:
+        """The spec ``ws`` is sent for ``ts`` of ``part``; the part goes first if ``ws``
+        does not have it yet."""
+        if ws not in part.holders:
+            part.holders.add(ws)
+            self._send_worker(ws, {"op": "spec-part", "part": part.number, "blob": part.blob})
+        return part.reference(ts.order)
+
+    @cython.cfunc
+    def _part_task_gone(self, part: SpecPart) -> None:
+        """A task of ``part`` was forgotten; with the last one, its holders drop it."""
+        ws: WorkerState
+        part.n_tasks -= 1
+        if part.n_tasks == 0:
+            for ws in part.holders:
+                self._send_worker(ws, {"op": "free-spec-parts", "parts": [part.number]})
+            part.holders = set()
 
     @cython.cfunc
     def _unassign(self, ts: TaskState) -> None:
@@ -4328,6 +4454,7 @@ class SchedulerState:
         generation: cython.Py_ssize_t = self.generation
         self.generation += 1
         tasks: TaskTable = self.tasks
+        part: SpecPart
         created = []
         same_deps = None  # the last deps list, and its tuple: shared by tasks after it
         same_tuple: tuple = _NO_DEPENDENCIES
@@ -4343,7 +4470,12 @@ class SchedulerState:
                 prefix = layer[1]
             else:
                 prefix = self._prefix_named(key_prefix(key))
-            ts = TaskState(key, prefix, spec if type(spec) is bytes else bytes(spec))
+            if type(spec) is SpecPart:
+                part = spec
+                part.n_tasks += 1
+            elif type(spec) is not bytes:
+                spec = bytes(spec)
+            ts = TaskState(key, prefix, spec)
             ts.generation = generation
             ts.priority_user = -(entry.get("priority") or 0)
             order = entry.get("order")
@@ -4391,6 +4523,7 @@ class SchedulerState:
         for ts in self._forget_later:
             _check(ts.state_id == _S_FORGOTTEN or self.tasks.get(ts.key) is ts,
                    f"{ts} waits to be forgotten but is not stored")
+        self._validate_spec_parts()
         n_queued = 0
         for ts in self.tasks.values():
             if ts.state_id == _S_QUEUED:
@@ -4452,6 +4585,24 @@ class SchedulerState:
                        f"{cs} wants {ts} but is not in its who_wants")
         self._validate_steals()
         self._validate_counters()
+
+    @cython.cfunc
+    def _validate_spec_parts(self) -> None:
+        """Each spec part counts the tasks that hold it; it went only to registered
+        workers, or to workers since removed."""
+        ts: TaskState
+        ws: WorkerState
+        part: SpecPart
+        held: dict = {}
+        for ts in self.tasks.values():
+            if type(ts.run_spec) is SpecPart:
+                held[ts.run_spec] = held.get(ts.run_spec, 0) + 1
+        for part, n in held.items():
+            _check(part.n_tasks == n, f"{part} is held by {n} tasks")
+            _check(0 < part.number <= self._n_spec_parts, f"{part} was not numbered")
+            for ws in part.holders:
+                _check(ws.status == WORKER_CLOSED or self.workers.get(ws.address) is ws,
+                       f"{part} went to {ws}, neither registered nor closed")
 
     @cython.cfunc
     def _validate_counters(self) -> None:

@@ -206,8 +206,8 @@ class GraphSender:
             while True:
                 await taken_in(SLICES_IN_FLIGHT - 1)
                 client._check_running()
-                conn.send_now({"op": "update-graph", "tasks": part.tasks, "keys": part.keys})
-                sent_at, n_sent = time.monotonic(), len(part.tasks)
+                conn.send_now(part.message())
+                sent_at, n_sent = time.monotonic(), part.n_tasks
                 sent.update(part.keys)
                 n_tasks_sent += n_sent
                 temporary.update(part.temporary)

@@ -20,8 +20,13 @@ What this module does (all of it on the client)
 - `GraphPlan`: orders the nodes with ``dask.order.order`` (dask's own priorities, sent as
   each task's ``order``), keeps only what the wanted keys need when the client already
   holds some keys of the graph, and encodes the tasks slice by slice, dependencies
-  first: each task dict holds the key, the pickled node (the run spec), the dependency
-  keys, the order and the options/annotations the scheduler understands.
+  first. A slice is one spec part (docs/protocol.md) where it can be: its nodes in one
+  pickle, whose memo they share (a fused dask.array node pickled alone is ~760 B and
+  ~18 us; in a part ~90 B and ~3 us), then its keys and their dependency keys, in
+  order; the index in the part is the order. Else (options or annotations on the
+  tasks, keys that are not plain, a node that not even cloudpickle takes) each task
+  dict holds the key, the node pickled alone (the run spec), the dependency keys, dask's
+  order and the options/annotations the scheduler understands.
 - Slices: a graph larger than `SLICE_TASKS` tasks (or `SLICE_BYTES` of specs) goes out
   as several update-graph messages of at most `SLICE_MAX_TASKS` tasks, so the
   scheduler serves heartbeats and other clients between them. The client sends a slice
@@ -48,20 +53,15 @@ whatever the graph's functions import) but no code of their own for it.
 """
 from __future__ import annotations
 
-import copyreg
 import heapq
 import importlib.util
-import io
+import itertools
 import logging
 import numbers
-import operator
-import pickle
-import types
 from collections.abc import Callable, Mapping
 
-import cloudpickle
-
 from .gc_pause import collector_paused
+from .spec_pickler import SpecPickler
 
 # named as before the layout (the name users configure)
 logger = logging.getLogger("distributed_server.dask_support")
@@ -81,6 +81,12 @@ SLICE_MIN_TASKS = 500
 SLICE_SECONDS = 0.1
 #: Run-spec bytes per update-graph message (a slice ends at whichever comes first).
 SLICE_BYTES = 64 * 1024 * 1024
+#: A slice's specs are pickled together as one spec part (docs/protocol.md) if that
+#: pickle is at most this big; a worker keeps a few parts it runs tasks of unpickled.
+PART_MAX_BYTES = 4 * 1024 * 1024
+#: Slices tried as spec parts before a graph none of whose slices could be one is sent
+#: as task dicts without trying more.
+PART_TRIES = 2
 
 _TASK_FIELDS = ("workers", "allow_other_workers", "resources", "priority", "retries")
 _PLAIN_SCALARS = (str, int, float, bool, type(None), bytes)
@@ -247,205 +253,36 @@ def _layer_annotations(layers: Mapping) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------- pickling
-
-
-class SpecPickler:
-    """Pickles nodes: the standard pickler when the result is usable on a worker,
-    cloudpickle (by value) otherwise. Not thread-safe; one per graph.
-
-    dask recognizes only its own futures as arguments of a task; ours, placed in a
-    task's arguments as plain values (``delayed(f)(future)``, ``delayed(f)([future])``),
-    cannot be pickled. Such a node is rebuilt with ``Alias(key)`` in place of each
-    future (`_with_future_refs`) and `dumps` leaves those keys in ``found`` (else None):
-    dependencies of the task that the original node did not list.
-    """
-
-    def __init__(self) -> None:
-        names = ["__main__", *cloudpickle.list_registry_pickle_by_value()]
-        self.markers = [name.encode() for name in names]
-        self.count = 0
-        self.by_value = 0
-        self.found: list | None = None
-        self._buffer = io.BytesIO()
-        self._cloud = _CachingPickler(self._buffer)
-        self._plain_buffer = io.BytesIO()
-        self._plain = pickle.Pickler(self._plain_buffer, protocol=5)
-        self._plain.dispatch_table = _slim_reducers()
-
-    def dumps(self, node) -> bytes:
-        self.count += 1
-        self.found = None
-        if self.by_value > 64 and 2 * self.by_value > self.count:
-            return self._by_value(node)  # most of this graph needs cloudpickle
-        buffer, pickler = self._plain_buffer, self._plain
-        buffer.seek(0)
-        buffer.truncate()
-        pickler.clear_memo()
-        try:
-            pickler.dump(node)
-        except Exception:  # noqa: BLE001 - lambdas, local functions, futures...
-            return self._by_value(node)
-        spec = buffer.getvalue()
-        for marker in self.markers:
-            if marker in spec:  # refers to __main__ or a by-value module: not importable
-                return self._by_value(node)
-        return spec
-
-    def _by_value(self, node) -> bytes:
-        self.by_value += 1
-        try:
-            return self._cloudpickle(node)
-        except Exception:
-            found: list = []
-            rebuilt = _with_future_refs(node, found)
-            if not found:
-                raise
-            self.found = found
-            return self._cloudpickle(rebuilt)
-
-    def _cloudpickle(self, node) -> bytes:
-        buffer, pickler = self._buffer, self._cloud
-        buffer.seek(0)
-        buffer.truncate()
-        pickler.clear_memo()
-        pickler.dump(node)
-        return buffer.getvalue()
-
-
-def _slim_reducers() -> dict:
-    """A dispatch table (type -> reducer) for objects whose standard pickle carries
-    bytes a worker does not need: a ``toolz.curry`` pickles its ``__dict__``, which
-    dask.array's wrapped numpy functions (``ones_like``, ``full``...) fill with numpy's
-    docstring: 2 KB in every such task's spec. Its reducer drops ``__doc__``, the only
-    change being the docstring on the worker. A plain dict, copied from ``copyreg``'s
-    table (which it replaces: numpy's ufuncs are registered there), so the pickler looks
-    types up in C and other objects cost nothing more."""
-    table = dict(copyreg.dispatch_table)
-    try:
-        from dask._task_spec import Task
-    except ImportError:
-        pass
-    else:
-        table[Task] = _TaskReducer(Task)
-    try:
-        from toolz.functoolz import curry
-    except ImportError:
-        return table
-    table[curry] = _CurryWithoutDoc()
-    return table
-
-
-class _TaskReducer:
-    """Reduces a dask ``Task`` (that exact type; its subclasses have state of their own)
-    as pickle does by default, ``(copyreg.__newobj__, (Task,), state)``, with the state
-    read by one C call (``operator.attrgetter`` of its slots) rather than by
-    ``Task.__getstate__``'s generator: the same bytes, and a fused dask.array node (a
-    task of tasks) pickles in about a fifth less time (17.5 against 22 us)."""
-
-    def __init__(self, task_type) -> None:
-        self._args = (task_type,)
-        self._state = operator.attrgetter(*task_type.get_all_slots())
-
-    def __call__(self, task):
-        return copyreg.__newobj__, self._args, self._state(task)
-
-
-class _CurryWithoutDoc:
-    """Reduces a ``toolz.curry`` without its ``__doc__``; each curry once (the tasks of a
-    layer share theirs), so a graph's pickler holds one of these."""
-
-    def __init__(self) -> None:
-        self._reduced: dict = {}  # id -> (curry, its reduction): the curry kept alive
-
-    def __call__(self, curried):
-        found = self._reduced.get(id(curried))
-        if found is not None:
-            return found[1]
-        restore, state = curried.__reduce__()
-        if len(state) >= 5 and type(state[4]) is tuple:  # else a toolz this does not know
-            userdict = tuple(item for item in state[4] if item[0] != "__doc__")
-            state = (*state[:4], userdict, *state[5:])
-        self._reduced[id(curried)] = (curried, (restore, state))
-        return restore, state
-
-
-class _CachingPickler(cloudpickle.Pickler):
-    """cloudpickle that pickles each function it must pickle by value (``__main__``,
-    lambdas, by-value modules) once: later specs embed the same bytes, which the worker
-    turns back into the function with ``pickle.loads``. A graph of 100,000 calls of a
-    function defined in ``__main__`` pickles it once instead of 100,000 times."""
-
-    def __init__(self, file) -> None:
-        super().__init__(file, protocol=5)
-        self._functions: dict = {}
-
-    def reducer_override(self, obj):
-        if type(obj) is not types.FunctionType:
-            return super().reducer_override(obj)
-        reduced = self._functions.get(obj, _MISSING)
-        if reduced is _MISSING:
-            if super().reducer_override(obj) is NotImplemented:
-                reduced = NotImplemented  # importable: pickled by reference
-            else:
-                reduced = (pickle.loads, (cloudpickle.dumps(obj, protocol=5),))
-            self._functions[obj] = reduced
-        return reduced
-
-
-def _is_future(obj) -> bool:
-    return getattr(type(obj), "__dask_future__", False) is True and hasattr(obj, "key")
-
-
-def _with_future_refs(obj, found: list):
-    """``obj`` with every future (in task arguments, nested containers and tasks)
-    replaced by ``Alias(key)``; the keys are appended to ``found``."""
-    from dask._task_spec import Alias, GraphNode, Task, TaskRef, parse_input
-
-    if _is_future(obj) and not isinstance(obj, TaskRef):
-        found.append(obj.key)
-        return Alias(obj.key)
-    typ = type(obj)
-    if typ in (list, tuple, set, frozenset):
-        items = [_with_future_refs(item, found) for item in obj]
-        if any(isinstance(item, GraphNode) for item in items):
-            return parse_input(list(items) if typ is list else typ(items))
-        return obj
-    if typ is dict:
-        values = {k: _with_future_refs(v, found) for k, v in obj.items()}
-        return parse_input(values) if any(isinstance(v, GraphNode)
-                                          for v in values.values()) else obj
-    if isinstance(obj, Task):
-        n = len(found)
-        args = [_with_future_refs(a, found) for a in obj.args]
-        kwargs = {k: _with_future_refs(v, found) for k, v in obj.kwargs.items()}
-        if len(found) == n:
-            return obj
-        # a plain Task calling the same function (a container node's ``func`` builds
-        # the container from its arguments)
-        return Task(obj.key, obj.func, *args, _data_producer=obj.data_producer, **kwargs)
-    return obj
-
-
 # ---------------------------------------------------------------------------- plan
 
 
 class SlicePart:
     """One update-graph message of a plan.
 
-    ``tasks``: the task dicts; ``keys``: what the message wants (the client's new
-    wanted keys in this slice, and the frontier); ``temporary``: the frontier keys;
-    ``release``: frontier keys of earlier slices whose last dependent is in this one,
-    to release right after this message.
+    ``tasks``: the task dicts; ``part``: or the slice's tasks as a spec part (`spec_part`),
+    else None; ``keys``: what the message wants (the client's new wanted keys in this
+    slice, and the frontier); ``temporary``: the frontier keys; ``release``: frontier
+    keys of earlier slices whose last dependent is in this one, to release right after
+    this message; ``n_tasks``: how many tasks it carries.
     """
 
-    __slots__ = ("keys", "release", "tasks", "temporary")
+    __slots__ = ("keys", "n_tasks", "part", "release", "tasks", "temporary")
 
-    def __init__(self, tasks: list, keys: list, temporary: list, release: list) -> None:
+    def __init__(self, tasks: list, keys: list, temporary: list, release: list,
+                 part: dict | None = None) -> None:
         self.tasks = tasks
+        self.part = part
+        self.n_tasks = len(tasks) + (len(part["keys"]) if part is not None else 0)
         self.keys = keys
         self.temporary = temporary
         self.release = release
+
+    def message(self) -> dict:
+        """The update-graph message."""
+        msg = {"op": "update-graph", "tasks": self.tasks, "keys": self.keys}
+        if self.part is not None:
+            msg["part"] = self.part
+        return msg
 
 
 class GraphPlan:
@@ -487,6 +324,8 @@ class GraphPlan:
                             else whole)
         self.position = 0
         self.pickler = SpecPickler()
+        self._parts_tried = 0  # slices tried as spec parts
+        self._parts_made = 0  # ... and made
         self._pending_release: list = []  # heap of (last use, n, key)
         self._n = 0
 
@@ -528,7 +367,44 @@ class GraphPlan:
         return len(self.sequence) - self.position
 
     def encode_next(self) -> SlicePart:
-        """Pickle and describe the next slice (call until `done`)."""
+        """Pickle and describe the next slice (call until `done`): as a spec part if
+        it can be one (`spec_part`), else as task dicts, each spec pickled on its own."""
+        start = self.position
+        part = None
+        if self._parts_tried < PART_TRIES or self._parts_made:
+            part = self._spec_part()
+        if part is not None:
+            self.position = start + len(part["keys"])
+            return self._slice(start, [], part)
+        return self._task_dicts()
+
+    def _spec_part(self) -> dict | None:
+        """The next slice as one spec part: its nodes pickled together
+        (`SpecPickler.dumps_together`), then its keys and dependencies, in order; None
+        if the graph's tasks carry options or annotations, or its keys are not plain, or
+        the slice cannot be a part (a node not even cloudpickle takes, or a part over
+        `PART_MAX_BYTES`)."""
+        if self.options or self.annotations or not self.plain:
+            self._parts_tried = PART_TRIES  # never: the task dicts carry them
+            return None
+        self._parts_tried += 1
+        nodes, sequence = self.nodes, self.sequence
+        start = self.position
+        keys = sequence[start:min(len(sequence), start + self.slice_tasks)]
+        if not _plain_keys(keys):
+            return None
+        slice_nodes = [nodes[key] for key in keys]
+        blob = self.pickler.dumps_together(slice_nodes)
+        if blob is None or len(blob) > PART_MAX_BYTES:
+            return None
+        dependencies = [node.dependencies for node in slice_nodes]
+        self._parts_made += 1
+        return {"blob": self.wire(blob), "keys": keys,
+                "deps": list(itertools.chain.from_iterable(dependencies)),
+                "ndeps": list(map(len, dependencies))}
+
+    def _task_dicts(self) -> SlicePart:
+        """The next slice as task dicts."""
         nodes, order, sequence = self.nodes, self.order, self.sequence
         options, annotations, wire = self.options, self.annotations, self.wire
         dumps = self.pickler.dumps
@@ -555,7 +431,14 @@ class GraphPlan:
                 _annotate(task, key, annotations)
             tasks.append(task)
             i += 1
-        self.position = end = i
+        self.position = i
+        return self._slice(start, tasks, None)
+
+    def _slice(self, start: int, tasks: list, part: dict | None) -> SlicePart:
+        """The message for ``sequence[start:position]``: which keys it wants, keeps and
+        lets go of."""
+        sequence = self.sequence
+        end = self.position
         wanted = self.wanted
         keys = [k for k in sequence[start:end] if k in wanted]
         temporary: list = []
@@ -571,7 +454,7 @@ class GraphPlan:
         pending = self._pending_release
         while pending and pending[0][0] < end:
             release.append(heapq.heappop(pending)[2])
-        return SlicePart(tasks, keys + temporary, temporary, release)
+        return SlicePart(tasks, keys + temporary, temporary, release, part)
 
 
 def _needed(nodes: dict, wanted: list, held) -> set:
@@ -610,6 +493,22 @@ def _topological(sequence: list, nodes: dict) -> list:
                 if dep in nodes and dep not in placed:
                     stack.append((dep, False))
     return out
+
+
+def _plain_keys(keys: list) -> bool:
+    """Whether every key survives msgpack (`_check_key`), the common forms checked by
+    one C call each: a str, or a tuple of a str and an int (a dask chunk's key)."""
+    for key in keys:
+        if type(key) is str:
+            continue
+        if type(key) is tuple and len(key) == 2 and type(key[0]) is str \
+                and type(key[1]) is int:
+            continue
+        try:
+            _check_key(key)
+        except TypeError:
+            return False
+    return True
 
 
 def _check_key(key) -> None:

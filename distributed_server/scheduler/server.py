@@ -680,18 +680,20 @@ class Scheduler:
     def _update_graph(self, client_id: str, msg: dict) -> None:
         started = time.perf_counter()
         tasks = msg.get("tasks")
+        part = msg.get("part")
         taken = self.state.stimulus_counter
         if self.stimulus(client_id, "update-graph", self.state.update_graph, client_id,
-                          tasks, msg.get("keys")):
+                          tasks, msg.get("keys"), part=part):
             self.graph_updates += 1
-            self.graph_tasks += len(tasks)
+            self.graph_tasks += len(tasks) + (len(part["keys"]) if part is not None else 0)
             # (a refused graph is answered, not counted: the plugins are not told of it)
             if self._plugin_hooks.hooks["update_graph"] and self.state.stimulus_counter > taken:
+                dependencies = {task["key"]: list(task.get("deps") or ()) for task in tasks}
+                if part is not None:
+                    dependencies.update(_part_dependencies(part))
                 self._plugin_hooks.call(
                     "update_graph", client=client_id, keys=set(msg.get("keys") or ()),
-                    tasks=[task["key"] for task in tasks],
-                    dependencies={task["key"]: list(task.get("deps") or ())
-                                  for task in tasks},
+                    tasks=list(dependencies), dependencies=dependencies,
                     annotations={}, priority={}, stimulus_id=f"update-graph-{client_id}")
         self.graph_intake_seconds += time.perf_counter() - started
 
@@ -851,5 +853,18 @@ class Scheduler:
                 spec = msg.get("spec")
                 if spec is not None and len(spec) >= BLOB_MIN_BYTES:
                     msg["spec"] = Blob(spec)
+                elif "blob" in msg and len(msg["blob"]) >= BLOB_MIN_BYTES:  # a spec part
+                    msg["blob"] = Blob(msg["blob"])
                 send_quietly(comm, msg)
 
+
+
+def _part_dependencies(part: dict) -> dict:
+    """``{key: [dependency, ...]}`` of the tasks of an update-graph's spec part."""
+    out = {}
+    deps = part["deps"]
+    start = 0
+    for key, count in zip(part["keys"], part["ndeps"]):
+        out[key] = list(deps[start:start + count])
+        start += count
+    return out

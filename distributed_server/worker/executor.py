@@ -32,6 +32,7 @@ from distributed_core import ERRED, FINISHED, SKIPPED
 from ..protocol.serialize import dumps_data, loads_spec
 from .memory import ON_DISK, ExecutionGate
 from .reports import ResultCannotTravel, cannot_travel_text, erred_report, finished_report
+from .spec_parts import PartSpec
 from .task_context import enter_task, leave_task
 
 __all__ = ["THREAD_JOIN_TIMEOUT", "Executor", "run_job"]
@@ -197,7 +198,7 @@ def run_job(job: tuple) -> tuple:
                     return key, ERRED, None, erred_report(key, error, now, now)
     start = time.time()
     try:
-        value = loads_spec(spec)(inputs)
+        value = (spec.load() if type(spec) is PartSpec else loads_spec(spec))(inputs)
     except BaseException as exc:  # noqa: BLE001 - any failure of user code is the task's
         stop = time.time()
         return key, ERRED, None, erred_report(key, exc, start, stop)

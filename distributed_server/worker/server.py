@@ -91,6 +91,7 @@ from .memory import (
 from .peer_server import PeerServer
 from .reports import ResultCannotTravel, finished_report, sizeof_quietly
 from .scheduler_requests import introspection_reply, plugin_reply
+from .spec_parts import SpecParts
 from .task_context import make_client
 from .transfers import (
     MAX_IDLE_PEER_COMMS,
@@ -247,6 +248,8 @@ class Worker:
 
         #: The executor threads (executor.py): jobs in, bursts of outcomes out.
         self._executor = Executor(self, nthreads, self._executions_done)
+        #: Run specs pickled together by a client, as the scheduler sent them.
+        self.spec_parts = SpecParts()
         self._task_client = None  # the Client of tasks that launch tasks, made on demand
         self._client_lock = threading.Lock()  # task threads may ask for it at once
         self._bursts = itertools.count()
@@ -350,6 +353,7 @@ class Worker:
         if isinstance(self.data, SpillBuffer):
             self.data.close()
         self.data.clear()
+        self.spec_parts.clear()
         self.status = CLOSED
         self._finished.set()
         logger.info("worker %s closed", self.address)
@@ -471,6 +475,7 @@ class Worker:
         send = self._send
         tasks = self.state.tasks
         put = self._executor.put
+        resolve = self.spec_parts.resolve
         peek = self._peek_input
         for ins in instructions:
             kind = type(ins)
@@ -490,7 +495,7 @@ class Worker:
                     inputs = {dep.key: peek(dep.key) for dep in deps}
                     if any(v is ON_DISK for v in inputs.values()):
                         read_back = data
-                put((ins[0], ts, ts.run_spec, inputs, ts.check, read_back))
+                put((ins[0], ts, resolve(ts.run_spec), inputs, ts.check, read_back))
             elif kind is ReleaseData:
                 discard(ins[0])
             elif kind is Fetch:
@@ -523,6 +528,7 @@ class Worker:
                                    "data and tasks, reconnecting for up to %.1fs", self.address,
                                    self.scheduler_address, exc, self.reconnect_timeout)
                     self._stimulus(self.state.scheduler_lost, self._sid("scheduler-lost"))
+                    self.spec_parts.clear()  # the next scheduler sends what it needs
                     if not await self._reconnect():
                         break
                     continue
@@ -577,6 +583,10 @@ class Worker:
             elif op == "steal-request":
                 tasks.append(msg)
                 steals = True
+            elif op == "spec-part":
+                self._spec_part(msg)
+            elif op == "free-spec-parts":
+                self.spec_parts.free(msg.get("parts") or ())
             elif op == "close":
                 self._close_requested = True
             elif op == "story" or op == "logs":
@@ -593,6 +603,12 @@ class Worker:
                 self._scheduler_messages(tasks, self._executor.begun)
         elif tasks:
             self._scheduler_messages(tasks)
+
+    def _spec_part(self, msg: dict) -> None:
+        try:
+            self.spec_parts.add(msg.get("part"), msg.get("blob"))
+        except ValueError as exc:
+            logger.warning("worker %s ignores a malformed spec part: %s", self.address, exc)
 
     def _heartbeat_advised(self, interval) -> None:
         """The scheduler of a big cluster asks for slower heartbeats (``interval``

@@ -13,7 +13,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
-from distributed_core import InvalidStimulus, SchedulerState
+from distributed_core import SPEC_PART_PREFIX, InvalidStimulus, SchedulerState
 
 # Test modules import the helpers below with `from core_sim import ...`. This file's own
 # module name depends on pytest's import mode (prepend / importlib), so give it one name.
@@ -45,6 +45,20 @@ def task(key, *deps, spec=None, **fields) -> dict:
         entry["deps"] = list(deps)
     entry.update(fields)
     return entry
+
+
+def as_part(tasks: list, blob: bytes = b"pickled list") -> tuple:
+    """``(other tasks, part)``: the tasks of ``tasks`` that have no field but a key, a
+    spec and dependencies, as an update-graph ``part`` (their specs pickled together into
+    ``blob``), and the rest as they were. The part is None if no task fits."""
+    plain, rest = [], []
+    for entry in tasks:
+        (plain if set(entry) <= {"key", "spec", "deps"} else rest).append(entry)
+    if not plain:
+        return rest, None
+    deps = [dep for entry in plain for dep in entry.get("deps", ())]
+    return rest, {"blob": blob, "keys": [entry["key"] for entry in plain], "deps": deps,
+                  "ndeps": [len(entry.get("deps", ())) for entry in plain]}
 
 
 def spec_of(key) -> bytes:
@@ -166,6 +180,7 @@ class Sim:
         self.log: list = []  # every (client_msgs, worker_msgs) the state returned
         self.asked: dict = {}  # address -> keys it was asked to copy (acquire-replicas)
         self.steal_asks: dict = {}  # address -> steal-request messages not answered yet
+        self.parts: dict = {}  # address -> {number: blob} of the spec parts it holds
         self.n = 0
 
     # -- stimuli -------------------------------------------------------------------------------
@@ -188,8 +203,18 @@ class Sim:
             data = self.data[address]
             for msg in msgs:
                 if msg["op"] == "compute-task":
+                    spec = msg["spec"]
+                    if spec.startswith(SPEC_PART_PREFIX):  # the worker holds its part
+                        number = int.from_bytes(spec[len(SPEC_PART_PREFIX):][:8], "little")
+                        assert number in self.parts[address], (msg, self.parts[address])
                     computing[msg["key"]] = msg
                     sent.append((address, msg))
+                elif msg["op"] == "spec-part":
+                    assert msg["part"] not in self.parts[address], msg
+                    self.parts[address][msg["part"]] = msg["blob"]
+                elif msg["op"] == "free-spec-parts":
+                    for number in msg["parts"]:
+                        del self.parts[address][number]
                 elif msg["op"] == "free-keys":
                     for key in msg["keys"]:
                         computing.pop(key, None)
@@ -217,6 +242,7 @@ class Sim:
     def add_worker(self, address: str, nthreads: int = 1, stimulus_id=None, **kwargs):
         self.computing[address] = {}
         self.data[address] = set()
+        self.parts[address] = {}
         sid = self.sid("add-worker", stimulus_id)
         return self.record(self.state.add_worker(address, nthreads, sid, **kwargs))
 
@@ -225,13 +251,15 @@ class Sim:
         in slices (call again while the address is in ``state.departing``)."""
         self.computing.pop(address, None)
         self.data.pop(address, None)
+        self.parts.pop(address, None)
         self.steal_asks.pop(address, None)
         sid = self.sid("remove-worker", stimulus_id)
         return self.record(self.state.remove_worker(address, sid, max_keys=max_keys))
 
-    def submit(self, tasks: list, keys: list, client: str = "c", stimulus_id=None) -> tuple:
+    def submit(self, tasks: list, keys: list, client: str = "c", stimulus_id=None,
+               part=None) -> tuple:
         sid = self.sid("graph", stimulus_id)
-        return self.record(self.state.update_graph(client, tasks, keys, sid))
+        return self.record(self.state.update_graph(client, tasks, keys, sid, part=part))
 
     def scatter(self, who_has: dict, nbytes: dict, client: str = "c", stimulus_id=None):
         for key, addresses in who_has.items():

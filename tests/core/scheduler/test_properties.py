@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from core_sim import Sim, task
+from core_sim import Sim, as_part, task
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -143,15 +143,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                 allowed_failures=st.integers(1, 3),
                 workers=st.lists(st.sampled_from(POOL), min_size=1, max_size=4, unique=True),
                 nthreads=st.integers(1, 3), graph=graphs("t"),
-                forget_slice=st.sampled_from([None, 1, 2, 5]))
-    def start(self, saturation, allowed_failures, workers, nthreads, graph, forget_slice):
+                forget_slice=st.sampled_from([None, 1, 2, 5]), in_part=st.booleans())
+    def start(self, saturation, allowed_failures, workers, nthreads, graph, forget_slice,
+              in_part):
         self.sim = Sim(worker_saturation=saturation, allowed_failures=allowed_failures,
                        forget_slice=forget_slice)
         for address in workers:
             self.join(address, nthreads)
         tasks, keys = graph
         self.defs.update((entry["key"], entry) for entry in tasks)
-        self.sim.submit(tasks, keys, client="c1")
+        part = None
+        if in_part:  # the plain tasks' specs pickled together, as the client sends them
+            tasks, part = as_part(tasks)
+        self.sim.submit(tasks, keys, client="c1", part=part)
         self.remember_told()
 
     @rule(i=INDEX, nthreads=st.integers(1, 3))
@@ -303,8 +307,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(msg["op"] != "graph-refused" for msg in client_msgs.get("c2", ()))
         self.remember_told()
 
-    @rule(graph=graphs("u"), links=st.lists(st.tuples(INDEX, INDEX), max_size=5))
-    def client_submits_a_graph_on_known_keys(self, graph, links):
+    @rule(graph=graphs("u"), links=st.lists(st.tuples(INDEX, INDEX), max_size=5),
+          in_part=st.booleans())
+    def client_submits_a_graph_on_known_keys(self, graph, links, in_part):
         """A second graph of client 1, some of whose tasks depend on earlier keys."""
         if self.n_graphs >= 2:
             return
@@ -321,7 +326,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         wanted = [renamed[k] for k in keys]
         fresh_keys = {entry["key"] for entry in fresh}
         ancestors = [e for e in self.closure(fresh_keys) if e["key"] not in fresh_keys]
-        client_msgs, _ = self.sim.submit(ancestors + fresh, wanted, client="c1")
+        tasks, part = ancestors + fresh, None
+        if in_part:
+            tasks, part = as_part(tasks, blob=prefix.encode())
+        client_msgs, _ = self.sim.submit(tasks, wanted, client="c1", part=part)
         assert all(msg["op"] != "graph-refused" for msg in client_msgs.get("c1", ()))
         self.remember_told()
 
@@ -470,10 +478,10 @@ class StealsWithoutQueue(SchedulerMachine):
 
     @initialize(allowed_failures=st.integers(1, 3),
                 workers=st.lists(st.sampled_from(POOL), min_size=1, max_size=4, unique=True),
-                nthreads=st.integers(1, 3), graph=graphs("t"))
-    def start(self, allowed_failures, workers, nthreads, graph):
+                nthreads=st.integers(1, 3), graph=graphs("t"), in_part=st.booleans())
+    def start(self, allowed_failures, workers, nthreads, graph, in_part):
         SchedulerMachine.start(self, float("inf"), allowed_failures, workers, nthreads, graph,
-                               forget_slice=None)
+                               forget_slice=None, in_part=in_part)
 
 
 TestStealsWithoutQueue = StealsWithoutQueue.TestCase

@@ -109,8 +109,26 @@ def tree_graph(n_leaves: int) -> tuple[dict, tuple]:
 # ---------------------------------------------------------------- planning (no cluster)
 
 
+def tasks_of(part: dask_support.SlicePart) -> list:
+    """A slice's tasks as task dicts, whichever form it took: a spec part's as ``{"key",
+    "deps", "order": its index, "node": its node unpickled}``."""
+    if part.part is None:
+        return part.tasks
+    nodes = pickle.loads(part.part["blob"])
+    deps = iter(part.part["deps"])
+    tasks = []
+    for i, (key, n) in enumerate(zip(part.part["keys"], part.part["ndeps"], strict=True)):
+        task = {"key": key, "order": i, "node": nodes[i]}
+        if n:
+            task["deps"] = [next(deps) for _ in range(n)]
+        tasks.append(task)
+    assert next(deps, None) is None and len(nodes) == len(tasks)
+    return tasks
+
+
 def plan_of(graph: dict, wanted: list, **kwargs) -> dask_support.GraphPlan:
-    return dask_support.GraphPlan(dask_support.materialize(graph), wanted, set(), {},
+    options = kwargs.pop("options", {})
+    return dask_support.GraphPlan(dask_support.materialize(graph), wanted, set(), options,
                                   **kwargs)
 
 
@@ -119,13 +137,19 @@ def test_plan_sends_dependencies_first_in_dask_order():
     plan = plan_of(graph, [root])
     part = plan.encode_next()
     assert plan.done and part.keys == [root] and not part.temporary
+    assert part.part is not None and not part.tasks  # one spec part
     seen = set()
-    for task in part.tasks:
+    for task in tasks_of(part):
         assert all(dep in seen for dep in task.get("deps", ())), task["key"]
+        assert task["node"].key == task["key"]
         seen.add(task["key"])
     assert seen == set(graph)
     order = dask.order.order(dask_support.materialize(graph).nodes)
-    assert [t["order"] for t in part.tasks] == sorted(order.values())
+    assert part.part["keys"] == sorted(order, key=order.__getitem__)
+    # as task dicts (a graph with options), each carries dask's order
+    as_dicts = plan_of(graph, [root], options={"retries": 1}).encode_next()
+    assert as_dicts.part is None
+    assert [t["order"] for t in as_dicts.tasks] == sorted(order.values())
 
 
 def test_slices_want_their_frontier_until_its_last_dependent_is_sent():
@@ -139,12 +163,13 @@ def test_slices_want_their_frontier_until_its_last_dependent_is_sent():
     sent, wanted, released = [], set(), []
     while not plan.done:
         part = plan.encode_next()
-        assert len(part.tasks) <= 100
-        for task in part.tasks:  # dependencies are in this slice or an earlier one
-            assert all(dep in sent or dep in {t["key"] for t in part.tasks}
+        tasks = tasks_of(part)
+        assert len(tasks) <= 100 and part.n_tasks == len(tasks)
+        for task in tasks:  # dependencies are in this slice or an earlier one
+            assert all(dep in sent or dep in {t["key"] for t in tasks}
                        for dep in task.get("deps", ()))
-        sent += [t["key"] for t in part.tasks]
-        slice_keys = {t["key"] for t in part.tasks}
+        sent += [t["key"] for t in tasks]
+        slice_keys = {t["key"] for t in tasks}
         assert set(part.temporary) <= slice_keys
         wanted |= set(part.temporary)
         for key in part.release:  # released once every dependent has been sent
@@ -190,12 +215,12 @@ def test_annotations_become_task_fields():
 
 def test_keys_must_survive_msgpack():
     plan = plan_of({("x", 0, ("y", 1.5)): 1, b"raw": 2}, [("x", 0, ("y", 1.5)), b"raw"])
-    assert {t["key"] for t in plan.encode_next().tasks} == {("x", 0, ("y", 1.5)), b"raw"}
+    assert {t["key"] for t in tasks_of(plan.encode_next())} == {("x", 0, ("y", 1.5)), b"raw"}
     # numpy scalars in keys (dask.array's vindex makes them) travel as plain numbers,
     # in the key and in the dependencies
     numpy_keys = plan_of({("x", np.int64(1)): 1, ("y", np.float64(0.5)): (inc, ("x", 1))},
                          [("y", np.float64(0.5))])
-    tasks = {t["key"]: t for t in numpy_keys.encode_next().tasks}
+    tasks = {t["key"]: t for t in tasks_of(numpy_keys.encode_next())}
     assert all(type(part) in (str, int, float) for key in tasks for part in key)
     assert [type(p) for p in tasks[("y", 0.5)]["deps"][0]] == [str, int]
     bad = plan_of({("x", frozenset([1])): 1}, [("x", frozenset([1]))])
@@ -529,6 +554,39 @@ def test_a_graph_in_many_slices(client, monkeypatch):
     x = da.arange(5000, chunks=10)
     assert x.sum().compute() == sum(range(5000))
     wait_until_no_tasks(client)
+
+
+def spec_parts_held(dask_worker) -> int:
+    return len(dask_worker.spec_parts)
+
+
+def test_a_graph_goes_in_spec_parts_that_workers_drop_once_its_tasks_are_gone(
+        client, monkeypatch):
+    """A sliced dask.array graph goes as spec parts (each slice's specs pickled
+    together); the workers hold the parts of the tasks they ran while the scheduler holds
+    those tasks, and drop them once it has forgotten them."""
+    monkeypatch.setattr(dask_support, "SLICE_TASKS", 97)
+    kinds: list = []
+    message = dask_support.SlicePart.message
+
+    def recorded(part):
+        kinds.append(part.part is not None)
+        return message(part)
+
+    monkeypatch.setattr(dask_support.SlicePart, "message", recorded)
+    x = da.arange(3000, chunks=3) * 2
+    y = client.persist(x)
+    n_parts = len(kinds)  # each held by a worker or two, while y is
+    assert y.sum().compute() == 2 * sum(range(3000))
+    assert n_parts > 5 and len(kinds) > n_parts and all(kinds), kinds
+    held = client.run(spec_parts_held)
+    assert sum(held.values()) >= n_parts, held
+    del y
+    wait_until_no_tasks(client)
+    deadline = time.monotonic() + 10
+    while any(client.run(spec_parts_held).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.run(spec_parts_held) == dict.fromkeys(held, 0)
 
 
 def test_the_collector_stays_paused_from_the_first_slice_to_the_last(client, monkeypatch):

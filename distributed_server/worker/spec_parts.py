@@ -1,0 +1,104 @@
+"""Spec parts on a worker: run specs a client pickled together, one pickle per slice of
+a graph (docs/protocol.md).
+
+The scheduler sends a part (``spec-part``: its number and the pickled list) before the
+first task of it this worker is to run, and the task's spec then only names the part and
+the task's index in it (``SPEC_PART_PREFIX``, the number, the index). The part is kept,
+as bytes, until the scheduler has forgotten every task of it (``free-spec-parts``). An
+executor thread unpickles the list the first time one of its tasks runs; the last few
+lists unpickled are kept, for the tasks of a slice run one after another.
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+from collections import OrderedDict
+
+from distributed_core import SPEC_PART_PREFIX
+
+#: Unpickled parts an executor keeps (each at most a client's PART_MAX_BYTES pickled).
+LOADED_PARTS = 4
+
+_HEAD = len(SPEC_PART_PREFIX)
+
+
+class SpecPartMissing(RuntimeError):
+    """A task's spec names a part the scheduler did not send (a bug, not user error)."""
+
+
+class PartSpec:
+    """A task's spec in a part, as a job carries it: the part's bytes (kept alive by the
+    job, should the part be freed meanwhile) and the task's index."""
+
+    __slots__ = ("blob", "index", "number", "parts")
+
+    def __init__(self, parts: SpecParts, number: int, blob, index: int) -> None:
+        self.parts = parts
+        self.number = number
+        self.blob = blob
+        self.index = index
+
+    def load(self):
+        """The task's node (on an executor thread)."""
+        return self.parts.node(self)
+
+
+class SpecParts:
+    """The spec parts a worker holds: ``{number: bytes}`` and the lists last unpickled."""
+
+    def __init__(self, loaded: int = LOADED_PARTS) -> None:
+        self._blobs: dict = {}
+        self._loaded: OrderedDict = OrderedDict()  # number -> list of nodes, last used last
+        self._max_loaded = loaded
+        self._lock = threading.Lock()  # the executor threads share _loaded
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def add(self, number, blob) -> None:
+        """The scheduler sent a part (``spec-part``)."""
+        if type(number) is not int or not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise ValueError(f"a spec part is a number and bytes, not {type(number).__name__} "
+                             f"and {type(blob).__name__}")
+        self._blobs[number] = blob
+
+    def free(self, numbers) -> None:
+        """The scheduler forgot every task of these parts (``free-spec-parts``)."""
+        with self._lock:
+            for number in numbers:
+                self._blobs.pop(number, None)
+                self._loaded.pop(number, None)
+
+    def clear(self) -> None:
+        """Drop every part (the scheduler was lost: it sends them again)."""
+        self.free(list(self._blobs))
+
+    def resolve(self, spec):
+        """A task's spec as its job carries it: ``spec`` itself, or a `PartSpec` if it
+        refers into a part (on the loop, as the task is handed to the executor; a part
+        not held makes a spec whose `PartSpec.load` raises SpecPartMissing)."""
+        if type(spec) is not bytes or not spec.startswith(SPEC_PART_PREFIX):
+            return spec
+        number = int.from_bytes(spec[_HEAD:_HEAD + 8], "little")
+        index = int.from_bytes(spec[_HEAD + 8:_HEAD + 12], "little")
+        return PartSpec(self, number, self._blobs.get(number), index)
+
+    def node(self, spec: PartSpec):
+        """The node of ``spec``: its part unpickled once, kept while recently used."""
+        if spec.blob is None:
+            raise SpecPartMissing(f"the task's spec is #{spec.index} of spec part "
+                                  f"{spec.number}, which this worker was not sent")
+        with self._lock:
+            nodes = self._loaded.get(spec.number)
+            if nodes is not None:
+                self._loaded.move_to_end(spec.number)
+            else:
+                nodes = pickle.loads(spec.blob)
+                if spec.number in self._blobs:  # not freed meanwhile
+                    self._loaded[spec.number] = nodes
+                    while len(self._loaded) > self._max_loaded:
+                        self._loaded.popitem(last=False)
+        if not 0 <= spec.index < len(nodes):
+            raise SpecPartMissing(f"spec part {spec.number} has {len(nodes)} specs, not "
+                                  f"#{spec.index}")
+        return nodes[spec.index]
