@@ -1537,6 +1537,7 @@ class SchedulerState:
             ts.who_wants = None
             ts.who_has = None
             ts.processing_on = None
+            ts.run_spec = None  # a SpecPart refers to the workers it went to
         self._picked_task = None
         self.queued = []
         self.unrunnable = {}

@@ -496,19 +496,26 @@ def _topological(sequence: list, nodes: dict) -> list:
 
 
 def _plain_keys(keys: list) -> bool:
-    """Whether every key survives msgpack (`_check_key`), the common forms checked by
-    one C call each: a str, or a tuple of a str and an int (a dask chunk's key)."""
-    for key in keys:
-        if type(key) is str:
-            continue
-        if type(key) is tuple and len(key) == 2 and type(key[0]) is str \
-                and type(key[1]) is int:
-            continue
-        try:
+    """Whether every key survives msgpack (`_check_key`). The types of the keys and of
+    the items of tuple keys are gathered by C loops; only keys of other forms (nested
+    tuples, say) are checked one by one."""
+    kinds = set(map(type, keys))
+    if kinds <= _FLAT_KEY_TYPES:
+        return True
+    if kinds <= _KEY_TYPES:
+        tuples = keys if len(kinds) == 1 else [key for key in keys if type(key) is tuple]
+        if set(map(type, itertools.chain.from_iterable(tuples))) <= _FLAT_KEY_TYPES:
+            return True
+    try:
+        for key in keys:
             _check_key(key)
-        except TypeError:
-            return False
+    except TypeError:
+        return False
     return True
+
+
+_FLAT_KEY_TYPES = frozenset((str, int, float, bytes))
+_KEY_TYPES = _FLAT_KEY_TYPES | {tuple}
 
 
 def _check_key(key) -> None:

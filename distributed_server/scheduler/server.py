@@ -683,11 +683,12 @@ class Scheduler:
         part = msg.get("part")
         taken = self.state.stimulus_counter
         if self.stimulus(client_id, "update-graph", self.state.update_graph, client_id,
-                          tasks, msg.get("keys"), part=part):
+                          tasks, msg.get("keys"), part=part) \
+                and self.state.stimulus_counter > taken:
+            # (a refused graph is answered, not counted: the plugins are not told of it)
             self.graph_updates += 1
             self.graph_tasks += len(tasks) + (len(part["keys"]) if part is not None else 0)
-            # (a refused graph is answered, not counted: the plugins are not told of it)
-            if self._plugin_hooks.hooks["update_graph"] and self.state.stimulus_counter > taken:
+            if self._plugin_hooks.hooks["update_graph"]:
                 dependencies = {task["key"]: list(task.get("deps") or ()) for task in tasks}
                 if part is not None:
                     dependencies.update(_part_dependencies(part))

@@ -5,8 +5,10 @@ The scheduler sends a part (``spec-part``: its number and the pickled list) befo
 first task of it this worker is to run, and the task's spec then only names the part and
 the task's index in it (``SPEC_PART_PREFIX``, the number, the index). The part is kept,
 as bytes, until the scheduler has forgotten every task of it (``free-spec-parts``). An
-executor thread unpickles the list the first time one of its tasks runs; the last few
-lists unpickled are kept, for the tasks of a slice run one after another.
+executor thread unpickles the list the first time one of its tasks runs. Lists are kept, the least
+recently used dropped first, while they hold at most `LOADED_NODES` specs in all: a
+graph whose ready tasks interleave many parts (a shuffle's) would otherwise unpickle a
+whole part for a task again and again.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from collections import OrderedDict
 
 from distributed_core import SPEC_PART_PREFIX
 
-#: Unpickled parts an executor keeps (each at most a client's PART_MAX_BYTES pickled).
-LOADED_PARTS = 4
+#: Specs the unpickled parts kept hold at most in all (the last part used is always kept).
+LOADED_NODES = 50_000
 
 _HEAD = len(SPEC_PART_PREFIX)
 
@@ -46,10 +48,13 @@ class PartSpec:
 class SpecParts:
     """The spec parts a worker holds: ``{number: bytes}`` and the lists last unpickled."""
 
-    def __init__(self, loaded: int = LOADED_PARTS) -> None:
+    def __init__(self, loaded_nodes: int = LOADED_NODES) -> None:
         self._blobs: dict = {}
         self._loaded: OrderedDict = OrderedDict()  # number -> list of nodes, last used last
-        self._max_loaded = loaded
+        self._n_loaded = 0  # nodes in those lists
+        self._max_loaded = loaded_nodes
+        #: Parts unpickled so far (a part dropped and needed again counts again).
+        self.loads = 0
         self._lock = threading.Lock()  # the executor threads share _loaded
 
     def __len__(self) -> int:
@@ -67,7 +72,9 @@ class SpecParts:
         with self._lock:
             for number in numbers:
                 self._blobs.pop(number, None)
-                self._loaded.pop(number, None)
+                nodes = self._loaded.pop(number, None)
+                if nodes is not None:
+                    self._n_loaded -= len(nodes)
 
     def clear(self) -> None:
         """Drop every part (the scheduler was lost: it sends them again)."""
@@ -94,10 +101,12 @@ class SpecParts:
                 self._loaded.move_to_end(spec.number)
             else:
                 nodes = pickle.loads(spec.blob)
+                self.loads += 1
                 if spec.number in self._blobs:  # not freed meanwhile
                     self._loaded[spec.number] = nodes
-                    while len(self._loaded) > self._max_loaded:
-                        self._loaded.popitem(last=False)
+                    self._n_loaded += len(nodes)
+                    while self._n_loaded > self._max_loaded and len(self._loaded) > 1:
+                        self._n_loaded -= len(self._loaded.popitem(last=False)[1])
         if not 0 <= spec.index < len(nodes):
             raise SpecPartMissing(f"spec part {spec.number} has {len(nodes)} specs, not "
                                   f"#{spec.index}")

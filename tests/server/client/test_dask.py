@@ -228,6 +228,14 @@ def test_keys_must_survive_msgpack():
         bad.encode_next()
 
 
+@pytest.mark.parametrize("keys, plain", [
+    ([], True), (["a", 1, 2.5, b"b"], True), ([("x", 1), ("y", 2)], True),
+    (["a", ("x", 1, ("y", 1.5))], True), ([("x", 1), ("x", np.int64(2))], False),
+    ([("x", frozenset())], False), (["a", None], False), ([("x", ("y", None))], False)])
+def test_keys_that_survive_msgpack_are_told_apart_from_those_that_do_not(keys, plain):
+    assert dask_support._plain_keys(keys) is plain
+
+
 def test_specs_of_importable_functions_use_the_standard_pickler():
     pickler = dask_support.SpecPickler()
     nodes = dask_support.materialize({"a": 1, "b": (np.negative, "a"),

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from distributed_core import SPEC_PART_PREFIX
 from distributed_server.comm import CommClosedError, connect, parse_address
 from distributed_server.scheduler import server as scheduler_server
 from distributed_server.scheduler.server import Scheduler
@@ -342,6 +343,52 @@ def test_bad_graph_is_refused_with_a_message_and_the_connection_stays_open():
             refused = await _read_op(c, "graph-refused")
             assert "missing" in refused["error"]
             assert (await _request(c, "identity"))["n_tasks"] == 0
+
+    run(main())
+
+
+async def _until_compute(comm) -> tuple:
+    """Read until a compute-task arrives: ``(the messages before it, it)``."""
+    before: list = []
+    while True:
+        for msg in await comm.read():
+            if msg["op"] == "compute-task":
+                return before, msg
+            before.append(msg)
+
+
+def test_a_spec_part_goes_to_a_worker_once_as_the_same_bytes_then_is_dropped():
+    """The part's bytes (a large one too) reach the worker unchanged, once, before its
+    tasks' references; forgotten, the worker is told to drop it. A malformed part is
+    refused and the graph counters do not count it."""
+    blob = b"P" * 200_000  # over BLOB_MIN_BYTES: a frame of its own on the wire
+    part = {"blob": blob, "keys": ["a", "b"], "deps": ["a"], "ndeps": [0, 1]}
+
+    async def main():
+        async with Scheduler(validate=True) as s:
+            w, c = await _worker(s), await _client(s)
+            c.send({"op": "update-graph", "tasks": [], "keys": ["b"],
+                    "part": {**part, "ndeps": [0, 2]}})
+            refused = await _read_op(c, "graph-refused")
+            assert "dependency count #1 is 2" in refused["error"]
+            assert (s.graph_updates, s.graph_tasks) == (0, 0)
+            c.send({"op": "update-graph", "tasks": [], "keys": ["b"], "part": part})
+            sent, first = await _until_compute(w)
+            assert [m["op"] for m in sent] == ["spec-part"]
+            assert sent[0]["part"] == 1 and bytes(sent[0]["blob"]) == blob
+            assert first["key"] == "a" and first["spec"].startswith(SPEC_PART_PREFIX)
+            assert (s.graph_updates, s.graph_tasks) == (1, 2)
+            w.send({"op": "task-finished", "key": "a", "nbytes": 8, "type": "int",
+                    "start": 1.0, "stop": 1.5})
+            sent, second = await _until_compute(w)
+            assert "spec-part" not in [m["op"] for m in sent]  # the worker has the part
+            assert second["key"] == "b" and second["spec"][-4:] == (1).to_bytes(4, "little")
+            w.send({"op": "task-finished", "key": "b", "nbytes": 8, "type": "int",
+                    "start": 1.0, "stop": 1.5})
+            await _read_op(c, "key-in-memory")
+            c.send({"op": "release-keys", "keys": ["b"]})
+            freed = await _read_op(w, "free-spec-parts")
+            assert freed["parts"] == (1,) or freed["parts"] == [1]
 
     run(main())
 

@@ -43,7 +43,7 @@ def test_a_spec_that_is_not_a_reference_passes_through():
 
 
 def test_a_part_is_unpickled_once_for_its_tasks_and_kept_while_recently_used():
-    parts = SpecParts(loaded=2)
+    parts = SpecParts(loaded_nodes=6)  # two parts of three
     for number in (1, 2, 3):
         parts.add(number, pickle.dumps([Counted(10 * number + i) for i in range(3)]))
     Counted.loads = 0
@@ -56,6 +56,17 @@ def test_a_part_is_unpickled_once_for_its_tasks_and_kept_while_recently_used():
     assert Counted.loads == 12
     parts.resolve(reference(3, 1)).load()
     assert Counted.loads == 12
+    assert parts.loads == 4
+    parts.free([1, 2, 3])
+    assert parts._n_loaded == 0
+
+
+def test_a_part_over_the_budget_is_still_kept_while_it_is_the_last_used():
+    parts = SpecParts(loaded_nodes=2)
+    parts.add(1, pickle.dumps([Counted(i) for i in range(5)]))
+    for i in range(5):
+        assert parts.resolve(reference(1, i)).load().value == i
+    assert parts.loads == 1
 
 
 def test_a_job_runs_its_node_with_its_inputs():
