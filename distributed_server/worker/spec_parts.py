@@ -8,7 +8,12 @@ as bytes, until the scheduler has forgotten every task of it (``free-spec-parts`
 executor thread unpickles the list the first time one of its tasks runs. Lists are kept, the least
 recently used dropped first, while they hold at most `LOADED_NODES` specs in all: a
 graph whose ready tasks interleave many parts (a shuffle's) would otherwise unpickle a
-whole part for a task again and again.
+whole part for a task again and again. Unpickling happens outside the lock, so the loop
+(``free-spec-parts``) and the other threads never wait for it.
+
+The tasks of one part share the objects their specs shared on the client (as with dask's
+local schedulers), and a task run again on this worker reuses its kept spec: a task that
+changes one of its arguments in place changes it for those too.
 """
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ class SpecParts:
 
     def __init__(self, loaded_nodes: int = LOADED_NODES) -> None:
         self._blobs: dict = {}
-        self._loaded: OrderedDict = OrderedDict()  # number -> list of nodes, last used last
+        #: number -> (its bytes, its list of nodes), the last used last
+        self._loaded: OrderedDict = OrderedDict()
         self._n_loaded = 0  # nodes in those lists
         self._max_loaded = loaded_nodes
         #: Parts unpickled so far (a part dropped and needed again counts again).
@@ -65,16 +71,21 @@ class SpecParts:
         if type(number) is not int or not isinstance(blob, (bytes, bytearray, memoryview)):
             raise ValueError(f"a spec part is a number and bytes, not {type(number).__name__} "
                              f"and {type(blob).__name__}")
-        self._blobs[number] = blob
+        with self._lock:
+            self._blobs[number] = blob
+            self._unload(number)  # a new scheduler numbers its parts from 1 again
 
     def free(self, numbers) -> None:
         """The scheduler forgot every task of these parts (``free-spec-parts``)."""
         with self._lock:
             for number in numbers:
                 self._blobs.pop(number, None)
-                nodes = self._loaded.pop(number, None)
-                if nodes is not None:
-                    self._n_loaded -= len(nodes)
+                self._unload(number)
+
+    def _unload(self, number) -> None:
+        entry = self._loaded.pop(number, None)
+        if entry is not None:
+            self._n_loaded -= len(entry[1])
 
     def clear(self) -> None:
         """Drop every part (the scheduler was lost: it sends them again)."""
@@ -95,18 +106,22 @@ class SpecParts:
         if spec.blob is None:
             raise SpecPartMissing(f"the task's spec is #{spec.index} of spec part "
                                   f"{spec.number}, which this worker was not sent")
+        nodes = None
         with self._lock:
-            nodes = self._loaded.get(spec.number)
-            if nodes is not None:
+            entry = self._loaded.get(spec.number)
+            if entry is not None and entry[0] is spec.blob:  # the same part, not a namesake
                 self._loaded.move_to_end(spec.number)
-            else:
-                nodes = pickle.loads(spec.blob)
+                nodes = entry[1]
+        if nodes is None:
+            nodes = pickle.loads(spec.blob)
+            with self._lock:
                 self.loads += 1
-                if spec.number in self._blobs:  # not freed meanwhile
-                    self._loaded[spec.number] = nodes
+                if self._blobs.get(spec.number) is spec.blob:  # still held
+                    self._unload(spec.number)  # another thread's copy, if it was quicker
+                    self._loaded[spec.number] = (spec.blob, nodes)
                     self._n_loaded += len(nodes)
                     while self._n_loaded > self._max_loaded and len(self._loaded) > 1:
-                        self._n_loaded -= len(self._loaded.popitem(last=False)[1])
+                        self._n_loaded -= len(self._loaded.popitem(last=False)[1][1])
         if not 0 <= spec.index < len(nodes):
             raise SpecPartMissing(f"spec part {spec.number} has {len(nodes)} specs, not "
                                   f"#{spec.index}")

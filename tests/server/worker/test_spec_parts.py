@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 import pickle
+import threading
+import time
 
 import pytest
 
@@ -112,3 +114,47 @@ def test_clear_drops_every_part():
     parts.add(2, pickle.dumps([2]))
     parts.clear()
     assert len(parts) == 0
+
+
+def test_a_new_scheduler_reusing_a_number_never_gets_the_old_parts_specs():
+    """A job that took part 1 before the scheduler was lost loads after a new scheduler
+    sent its own part 1: each gets its own part's specs."""
+    parts = SpecParts()
+    parts.add(1, pickle.dumps(["old-a", "old-b"]))
+    stale = parts.resolve(reference(1, 0))
+    parts.clear()
+    parts.add(1, pickle.dumps(["new-a", "new-b"]))
+    assert stale.load() == "old-a"
+    assert parts.resolve(reference(1, 1)).load() == "new-b"
+    assert stale.load() == "old-a"
+
+
+class Slow:
+    """A node whose unpickling takes a while, and says when it began."""
+
+    began = threading.Event()
+
+    def __reduce__(self):
+        return _slow, ()
+
+
+def _slow():
+    Slow.began.set()
+    time.sleep(0.5)
+    return "slow"
+
+
+def test_the_loop_does_not_wait_for_a_thread_that_unpickles_a_part():
+    parts = SpecParts()
+    parts.add(1, pickle.dumps([Slow()]))
+    parts.add(2, pickle.dumps([Counted(2)]))
+    spec = parts.resolve(reference(1, 0))
+    thread = threading.Thread(target=spec.load)
+    thread.start()
+    assert Slow.began.wait(5)
+    started = time.monotonic()
+    parts.free([2])  # the loop, handling free-spec-parts
+    parts.add(3, pickle.dumps([Counted(3)]))
+    assert parts.resolve(reference(3, 0)).load().value == 3  # another executor thread
+    assert time.monotonic() - started < 0.4
+    thread.join()
