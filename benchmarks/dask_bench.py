@@ -118,14 +118,14 @@ def child_dcore(workload: str, args: dict) -> dict:
         out["tasks"] = len(plan.sequence)
         out["slices"] = len(parts)
         out["by_value"] = plan.pickler.by_value
-        out["spec_bytes"] = sum(len(t["spec"]) for p in parts for t in p.tasks)
+        out["spec_bytes"] = sum(len(t["spec"]) for p in parts for t in p.tasks) + sum(
+            len(p.part["blob"]) for p in parts if p.part is not None)  # spec parts
         # ---- scheduler intake, replayed on the core in a process of its own (as the
         # scheduler: this process's heap, the whole dask graph, would make every
         # garbage collection during the replay far slower than the scheduler's)
         with tempfile.NamedTemporaryFile(suffix=".msgpack") as f:
             for part in parts:
-                frame = msgpack.packb({"op": "update-graph", "tasks": part.tasks,
-                                       "keys": part.keys, "release": part.release})
+                frame = msgpack.packb({**part.message(), "release": part.release})
                 f.write(len(frame).to_bytes(8, "little") + frame)
             f.flush()
             del parts, plan, graph
@@ -176,7 +176,8 @@ def replay_intake(path: str) -> dict:
         start = time.perf_counter()
         msg = msgpack.unpackb(frame, use_list=False, strict_map_key=False)
         decoded = time.perf_counter()
-        state.update_graph("bench", msg["tasks"], msg["keys"], f"slice-{i}")
+        state.update_graph("bench", msg["tasks"], msg["keys"], f"slice-{i}",
+                           part=msg.get("part"))
         done = time.perf_counter()
         if msg["release"]:
             state.client_releases_keys("bench", msg["release"], f"release-{i}")
