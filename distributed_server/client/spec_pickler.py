@@ -46,15 +46,10 @@ class SpecPickler:
         self.found = None
         if self.by_value > 64 and 2 * self.by_value > self.count:
             return self._by_value(node)  # most of this graph needs cloudpickle
-        buffer, pickler = self._plain_buffer, self._plain
-        buffer.seek(0)
-        buffer.truncate()
-        pickler.clear_memo()
         try:
-            pickler.dump(node)
+            spec = _pickled(self._plain_buffer, self._plain, node)
         except Exception:  # noqa: BLE001 - lambdas, local functions, futures...
             return self._by_value(node)
-        spec = buffer.getvalue()
         for marker in self.markers:
             if marker in spec:  # refers to __main__ or a by-value module: not importable
                 return self._by_value(node)
@@ -67,24 +62,17 @@ class SpecPickler:
         graph's later slices). None if cloudpickle refuses too (our futures among a
         task's arguments: those nodes are pickled one by one, `dumps`)."""
         if not self._together_by_value:
-            blob = self._dump_list(self._plain_buffer, self._plain, nodes)
+            try:
+                blob = _pickled(self._plain_buffer, self._plain, nodes)
+            except Exception:  # noqa: BLE001 - lambdas, local functions, futures...
+                blob = None
             if blob is not None and not any(marker in blob for marker in self.markers):
                 return blob
             self._together_by_value = True
-        return self._dump_list(self._buffer, self._cloud, nodes)
-
-    @staticmethod
-    def _dump_list(buffer: io.BytesIO, pickler, nodes: list) -> bytes | None:
-        buffer.seek(0)
-        buffer.truncate()
-        pickler.clear_memo()
         try:
-            pickler.dump(nodes)
-        except Exception:  # noqa: BLE001 - lambdas, local functions, futures...
+            return self._cloudpickle(nodes)
+        except Exception:  # noqa: BLE001 - our futures among a task's arguments
             return None
-        finally:
-            pickler.clear_memo()  # the memo holds every object of the slice
-        return buffer.getvalue()
 
     def _by_value(self, node) -> bytes:
         self.by_value += 1
@@ -98,13 +86,21 @@ class SpecPickler:
             self.found = found
             return self._cloudpickle(rebuilt)
 
-    def _cloudpickle(self, node) -> bytes:
-        buffer, pickler = self._buffer, self._cloud
-        buffer.seek(0)
-        buffer.truncate()
+    def _cloudpickle(self, obj) -> bytes:
+        return _pickled(self._buffer, self._cloud, obj)
+
+
+def _pickled(buffer: io.BytesIO, pickler, obj) -> bytes:
+    """``obj`` pickled by ``pickler`` (which writes to ``buffer``), on its own: the memo
+    is empty before and emptied after (it holds every object pickled)."""
+    buffer.seek(0)
+    buffer.truncate()
+    pickler.clear_memo()
+    try:
+        pickler.dump(obj)
+    finally:
         pickler.clear_memo()
-        pickler.dump(node)
-        return buffer.getvalue()
+    return buffer.getvalue()
 
 
 def _slim_reducers() -> dict:
