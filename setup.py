@@ -1,7 +1,9 @@
 """Build the distributed_core extensions, each from its one .pyx source: _core (the
-scheduler's state machine) and _worker_core (a worker's); and one small C extension of
-the shell, distributed_server.diagnostics.pool_pages (gives the small-object allocator's
-empty pools back to the OS after a big release; the interpreted install goes without).
+scheduler's state machine) and _worker_core (a worker's); and two small extensions of
+the shell, which the interpreted install goes without: distributed_server.diagnostics.
+pool_pages (C: gives the small-object allocator's empty pools back to the OS after a big
+release) and distributed_server.client._part_writer (Cython: writes a slice of a dask
+graph's nodes as one pickle without the pickler's Python callbacks).
 
 DISTRIBUTED_CORE_PURE=1              build no extension (the interpreted fallback)
 DISTRIBUTED_CORE_REQUIRE_COMPILED=1  a failed compile of any extension fails the
@@ -62,7 +64,8 @@ def _extensions():
               file=sys.stderr)
         return [pool_pages]
     return cythonize(
-        ["distributed_core/_core.pyx", "distributed_core/_worker_core.pyx"],
+        ["distributed_core/_core.pyx", "distributed_core/_worker_core.pyx",
+         "distributed_server/client/_part_writer.pyx"],
         compiler_directives={"language_level": 3},
     ) + [pool_pages]
 

@@ -11,8 +11,9 @@
 # 3. The pure wheel: DISTRIBUTED_CORE_PURE=1 `python -m build --wheel` (from the sdist;
 #    --quick: from the checkout), which must be py3-none-any.
 # 4. File lists: both wheels carry _core.pyx, _worker_core.pyx and the Cython shim and
-#    no C source; only the compiled one has the extensions (the core's two and
-#    distributed_server.diagnostics.pool_pages).
+#    no C source; only the compiled one has the extensions (the core's two,
+#    distributed_server.diagnostics.pool_pages and distributed_server.client._part_writer);
+#    the sdist carries _part_writer.pyx.
 # 5. The repaired wheel goes into a fresh venv without Cython: COMPILED must be True,
 #    `import distributed_core` must not warn, wheels/smoke_test.py runs if it exists,
 #    and DISTRIBUTED_CORE_PURE=1 must still fall back to the .pyx through the shim.
@@ -164,6 +165,7 @@ def check_sdist(sdist):
     for need in ("pyproject.toml", "setup.py", "distributed_core/__init__.py",
                  "distributed_core/_core.pyx", "distributed_core/_worker_core.pyx",
                  "distributed_core/_cython_shim.py",
+                 "distributed_server/client/_part_writer.pyx",
                  "distributed_server/__init__.py"):
         if need not in names:
             problems.append(f"sdist: {need} is missing")
@@ -188,7 +190,8 @@ for wheel, kind in ((compiled, "compiled"), (pure, "pure")):
             problems.append(f"{kind} wheel: {need} is missing")
     extensions = [n for n in names if n.endswith((".so", ".pyd", ".dylib"))]
     for module in ("distributed_core/_core", "distributed_core/_worker_core",
-                   "distributed_server/diagnostics/pool_pages"):
+                   "distributed_server/diagnostics/pool_pages",
+                   "distributed_server/client/_part_writer"):
         prefix = f"{module}."
         found = [n for n in extensions if n.startswith(prefix) and "/" not in n[len(prefix):]]
         if kind == "compiled" and len(found) != 1:
