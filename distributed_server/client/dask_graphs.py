@@ -60,7 +60,7 @@ import logging
 import numbers
 from collections.abc import Callable, Mapping
 
-from .gc_pause import collector_paused
+from .gc_pause import collected_apart, collector_paused
 from .spec_pickler import SpecPickler
 
 # named as before the layout (the name users configure)
@@ -314,7 +314,8 @@ class GraphPlan:
         self.annotations = _task_annotations(graph.annotations)
         if held:
             nodes = {key: nodes[key] for key in _needed(self.nodes, wanted, held)}
-        self.order = dask_order(nodes) if nodes else {}
+        with collected_apart():  # dask.order's cyclic garbage, at once and alone
+            self.order = dask_order(nodes) if nodes else {}
         self.sequence = sorted(nodes, key=self.order.__getitem__)
         self.external: set = set()
         self.last_use: dict = {}

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import threading
 
-__all__ = ["collector_paused"]
+__all__ = ["collected_apart", "collector_paused"]
 
 _paused_lock = threading.Lock()
 _paused_depth = 0
@@ -37,3 +37,32 @@ def collector_paused():
             _paused_depth -= 1
             if _paused_depth == 0 and _paused_resume:
                 gc.enable()
+
+
+@contextlib.contextmanager
+def collected_apart():
+    """The cyclic garbage made inside collected at its end, walking only what was made
+    inside.
+
+    For a call that leaves much cyclic garbage among many objects that live on:
+    ``dask.order`` leaves its working sets (about 3.5 objects a task, held by closures
+    that refer to themselves) after the client has materialized the graph (about 10 a
+    task, kept by the user's collection). Collected with the rest when the pause ends,
+    that garbage cost a walk of every object of the graph (1.4 us a task of 133,000), and
+    held its memory until then. Here the objects that exist already are set aside
+    (``gc.freeze``) and, after the collection, put in the oldest generation, which
+    young collections do not walk (``gc.unfreeze``): as if they had survived those.
+
+    Does nothing more than the ``with`` block if objects are frozen already (someone
+    else's ``gc.freeze``: unfreezing would hand theirs back too)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        try:
+            gc.collect(0)
+        finally:
+            gc.unfreeze()
