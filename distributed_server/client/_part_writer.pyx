@@ -15,22 +15,32 @@ Written natively: dask's ``Task`` (that exact type), ``List``, ``Tuple``, ``Set`
 ``Dict``, ``Alias``, ``DataNode``, ``TaskRef``; ``None``, booleans, ``int`` (64 bits),
 ``float``, ``str``, ``bytes``, ``tuple``, ``list``, ``dict``, ``set``, ``frozenset``,
 ``slice``. Strings are written once per part and referred to after. Lists, dicts and sets
-are shared as in the standard pickle (one object referred to twice stays one object);
-tuples are not (they are immutable; a tuple met twice is written twice).
+are shared as in the standard pickle (one object met twice is one object when loaded),
+and so are the objects that could be large or nested: Tasks inside other nodes, tuples
+of more than four items or holding more than scalars, frozensets of more than eight,
+bytes of 64 or more. A dask key (a tuple of a string and an int) or a small frozenset of
+them is written again where it is met again: immutable and small, and looking it up
+would cost more than writing it.
 
 Anything else (functions, numpy dtypes and arrays, classes, other node types) is
-"opaque": ``opaque(obj)`` returns its own pickle (the caller decides how: the standard
-pickler or cloudpickle), written once per part as a call of ``pickle.loads`` on those
-bytes and referred to after. ``opaque`` may raise: `write_part` then raises too, and the
+"opaque". A part's opaque objects are pickled together, in one list, by
+``opaque(objects)`` (the caller decides how: the standard pickler or cloudpickle), so
+that what they share is shared once loaded (a bound method's instance, a function by
+value inside many partials). That pickle comes first in the part (``pickle.loads`` of
+it, memo 0) and an opaque object is ``operator.getitem`` of that list (memoized).
+Objects shared between an opaque object's insides and natively written containers are
+not shared once loaded. ``opaque`` may raise: `write_part` then raises too, and the
 caller pickles the slice another way.
 """
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
 
-import pickle
+cdef extern from "Python.h":
+    # declared here: Cython before 3.0.7 declares it without "except NULL", and a string
+    # with a lone surrogate then read from NULL instead of raising UnicodeEncodeError
+    const char* PyUnicode_AsUTF8AndSize(object text, Py_ssize_t* size) except NULL
 
 cdef int _MAX_DEPTH = 200  # deeper: an error (the caller falls back to the pickler)
 
@@ -70,8 +80,13 @@ cdef enum:
     BUILD = 0x62           # b
     REDUCE = 0x52          # R
     STACK_GLOBAL = 0x93
+    POP = 0x30             # 0
 
 cdef int _SHORT_STRING = 4  # shorter strings are written in place, not memoized
+cdef int _SHARED_BYTES = 64  # bytes objects this long or longer are memoized
+cdef int _SHARED_FROZENSET = 8  # frozensets longer than this are memoized
+cdef int _OPAQUE_LIST = 0  # memo index of the list of opaque objects
+cdef int _GETITEM = 1  # memo index of operator.getitem
 
 
 cdef class _Buffer:
@@ -131,13 +146,14 @@ cdef class PartWriter:
     cdef _Buffer buf
     cdef Py_ssize_t memo  # the next memo index
     cdef dict strings  # str -> memo index
-    cdef dict by_id  # id(obj) -> memo index: opaque objects, lists, dicts, sets
+    cdef dict by_id  # id(obj) -> memo index of the objects shared (see the module doc)
     cdef list alive  # the objects whose ids are in by_id, until the part is written
+    cdef list opaques  # the part's opaque objects, in the order of their indices
     cdef object opaque
     cdef object task_type, alias_type, datanode_type, taskref_type
     cdef object task_state  # attrgetter of all of Task's slots
+    cdef Py_ssize_t task_args, task_kwargs  # the indices of "args" and "kwargs" in them
     cdef dict containers  # List/Tuple/Set/Dict type -> (attrgetter of slots, kwargs index)
-    cdef object loads_function
 
     def __init__(self, opaque):
         from operator import attrgetter
@@ -150,24 +166,28 @@ cdef class PartWriter:
         self.alias_type = Alias
         self.datanode_type = DataNode
         self.taskref_type = TaskRef
-        self.task_state = attrgetter(*Task.get_all_slots())
+        slots = list(Task.get_all_slots())
+        self.task_state = attrgetter(*slots)
+        self.task_args = slots.index("args")
+        self.task_kwargs = slots.index("kwargs")
         self.containers = {}
         for kind in (List, TupleNode, Set, Dict):
             slots = kind.get_all_slots()
             self.containers[kind] = (attrgetter(*slots), list(slots).index("kwargs"))
-        self.loads_function = pickle.loads
 
     def write(self, list nodes):
         """``nodes`` as the pickle of one list (`pickle.loads` gives it back)."""
         cdef object node
+        cdef _Buffer head
+        cdef bytes opaque_pickle
+        cdef bytes out
         self.buf = _Buffer()
-        self.memo = 0
+        self.memo = 2  # 0: the list of opaque objects, 1: operator.getitem (the head)
         self.strings = {}
         self.by_id = {}
         self.alive = []
+        self.opaques = []
         try:
-            self.buf.byte(PROTO)
-            self.buf.byte(5)
             self.buf.byte(EMPTY_LIST)
             self._memoize()
             if nodes:
@@ -176,12 +196,29 @@ cdef class PartWriter:
                     self._save(node, 0)
                 self.buf.byte(APPENDS)
             self.buf.byte(STOP)
-            return PyBytes_FromStringAndSize(<char*>self.buf.data, self.buf.size)
+            opaque_pickle = self.opaque(self.opaques)
+            head = _Buffer()
+            head.byte(PROTO)
+            head.byte(5)
+            _global(head, b"pickle", b"loads")
+            _bytes(head, opaque_pickle)
+            head.byte(TUPLE1)
+            head.byte(REDUCE)
+            head.byte(MEMOIZE)  # _OPAQUE_LIST
+            head.byte(POP)
+            _global(head, b"operator", b"getitem")
+            head.byte(MEMOIZE)  # _GETITEM
+            head.byte(POP)
+            out = PyBytes_FromStringAndSize(NULL, head.size + self.buf.size)
+            memcpy(<char*>out, head.data, head.size)
+            memcpy((<char*>out) + head.size, self.buf.data, self.buf.size)
+            return out
         finally:
             self.buf = None
             self.strings = None
             self.by_id = None
             self.alive = None
+            self.opaques = None
 
     cdef inline int _memoize(self) except -1:
         self.buf.byte(MEMOIZE)
@@ -206,12 +243,17 @@ cdef class PartWriter:
         if kind is str:
             return self._save_str(<str>obj)
         if kind is tuple:
-            return self._save_tuple(<tuple>obj, depth)
+            return self._save_shared_tuple(<tuple>obj, depth)
         if kind is int:
             return self._save_int(obj)
         if kind is bool:
             return self.buf.byte(NEWTRUE if obj else NEWFALSE)
         if kind is self.task_type:
+            if depth:  # a Task inside a node: dask's fusion may share it among nodes
+                if self._refer(obj):
+                    return 0
+                self._save_task(obj, depth)
+                return self._remember(obj)
             return self._save_task(obj, depth)
         if kind is self.alias_type:
             return self._save_call(self.alias_type, (obj.key, obj.target), depth)
@@ -228,7 +270,12 @@ cdef class PartWriter:
         if kind is float:
             return self._save_float(<double>obj)
         if kind is bytes:
-            return self._save_bytes(<bytes>obj)
+            if len(<bytes>obj) < _SHARED_BYTES:
+                return _bytes(self.buf, <bytes>obj)
+            if self._refer(obj):
+                return 0
+            _bytes(self.buf, <bytes>obj)
+            return self._remember(obj)
         if kind is set:
             return self._save_set(<set>obj, depth)
         if kind is slice:
@@ -292,16 +339,25 @@ cdef class PartWriter:
         self.buf.size += 8
         return 0
 
-    cdef int _save_bytes(self, bytes data) except -1:
-        cdef Py_ssize_t n = len(data)
-        if n < 256:
-            self.buf.byte(SHORT_BINBYTES)
-            self.buf.byte(<unsigned char>n)
-        else:
-            self.buf.byte(BINBYTES8)
-            self.buf.uint(<uint64_t>n, 8)
-        self.buf.raw(<const char*>data, n)
-        return 0
+    cdef int _save_shared_tuple(self, tuple items, int depth) except -1:
+        """A tuple met in a value: memoized if it has more than four items or an item
+        that is not a scalar (it may be shared, and large: dask's chunks)."""
+        cdef object item
+        cdef type kind
+        cdef bint shared = len(items) > 4
+        if not shared:
+            for item in items:
+                kind = type(item)
+                if not (kind is str or kind is int or item is None or kind is float
+                        or kind is bool):
+                    shared = True
+                    break
+        if not shared:
+            return self._save_tuple(items, depth)
+        if self._refer(items):
+            return 0
+        self._save_tuple(items, depth)
+        return self._remember(items)
 
     cdef int _save_tuple(self, tuple items, int depth) except -1:
         cdef Py_ssize_t n = len(items)
@@ -341,6 +397,12 @@ cdef class PartWriter:
             return False
         self._get(<Py_ssize_t>found)
         return True
+
+    cdef int _remember(self, object obj) except -1:
+        """Memoize ``obj``, just written (on the stack), for later references."""
+        self.by_id[id(obj)] = self.memo
+        self.alive.append(obj)
+        return self._memoize()
 
     cdef int _save_list(self, list items, int depth) except -1:
         cdef object item
@@ -383,6 +445,15 @@ cdef class PartWriter:
 
     cdef int _save_frozenset(self, frozenset items, int depth) except -1:
         cdef object item
+        if len(items) > _SHARED_FROZENSET:
+            if self._refer(items):
+                return 0
+            self._write_frozenset(items, depth)
+            return self._remember(items)
+        return self._write_frozenset(items, depth)
+
+    cdef int _write_frozenset(self, frozenset items, int depth) except -1:
+        cdef object item
         self.buf.byte(MARK)
         for item in items:
             self._save(item, depth + 1)
@@ -396,12 +467,25 @@ cdef class PartWriter:
 
     cdef int _save_task(self, object task, int depth) except -1:
         """As the pickler reduces a Task: ``Task.__new__(Task)``, then BUILD with the
-        tuple of its slots (``Task.__setstate__`` sets them)."""
-        state = self.task_state(task)
+        tuple of its slots (``Task.__setstate__`` sets them). Its own arguments tuple
+        and an empty kwargs dict are written as they are, never looked up (their items
+        are, by the rules above)."""
+        cdef tuple state = self.task_state(task)
+        cdef Py_ssize_t i
+        cdef object item
         self._save_opaque(self.task_type)
         self.buf.byte(EMPTY_TUPLE)
         self.buf.byte(NEWOBJ)
-        self._save_tuple(<tuple>state, depth + 1)
+        self.buf.byte(MARK)
+        for i in range(len(state)):
+            item = state[i]
+            if i == self.task_args and type(item) is tuple:
+                self._save_tuple(<tuple>item, depth + 1)
+            elif i == self.task_kwargs and type(item) is dict and not item:
+                self.buf.byte(EMPTY_DICT)
+            else:
+                self._save(item, depth + 1)
+        self.buf.byte(TUPLE)
         return self.buf.byte(BUILD)
 
     cdef int _save_container(self, object node, object kind, int depth) except -1:
@@ -424,29 +508,40 @@ cdef class PartWriter:
         return self.buf.byte(BUILD)
 
     cdef int _save_opaque(self, object obj) except -1:
-        """``obj`` by its own pickle, ``pickle.loads(opaque(obj))``, once per part."""
-        cdef bytes data
+        """``obj`` as ``operator.getitem(opaque objects, i)``, once per part."""
         if self._refer(obj):
             return 0
-        data = self.opaque(obj)
-        self._save_loads()
-        self._save_bytes(data)
-        self.buf.byte(TUPLE1)
+        self._get(_GETITEM)
+        self._get(_OPAQUE_LIST)
+        self._save_int(len(self.opaques))
+        self.buf.byte(TUPLE2)
         self.buf.byte(REDUCE)
-        self.by_id[id(obj)] = self.memo
-        self.alive.append(obj)
-        return self._memoize()
+        self.opaques.append(obj)
+        return self._remember(obj)
 
-    cdef int _save_loads(self) except -1:
-        """``pickle.loads`` (memoized, as opaque objects refer to it)."""
-        if self._refer(self.loads_function):
-            return 0
-        self._save_str("pickle")
-        self._save_str("loads")
-        self.buf.byte(STACK_GLOBAL)
-        self.by_id[id(self.loads_function)] = self.memo
-        self.alive.append(self.loads_function)
-        return self._memoize()
+
+cdef int _bytes(_Buffer buf, bytes data) except -1:
+    """SHORT_BINBYTES or BINBYTES8."""
+    cdef Py_ssize_t n = len(data)
+    if n < 256:
+        buf.byte(SHORT_BINBYTES)
+        buf.byte(<unsigned char>n)
+    else:
+        buf.byte(BINBYTES8)
+        buf.uint(<uint64_t>n, 8)
+    buf.raw(<const char*>data, n)
+    return 0
+
+
+cdef int _global(_Buffer buf, bytes module, bytes name) except -1:
+    """``module.name`` by STACK_GLOBAL (the two strings not memoized)."""
+    buf.byte(SHORT_BINUNICODE)
+    buf.byte(<unsigned char>len(module))
+    buf.raw(<const char*>module, len(module))
+    buf.byte(SHORT_BINUNICODE)
+    buf.byte(<unsigned char>len(name))
+    buf.raw(<const char*>name, len(name))
+    return buf.byte(STACK_GLOBAL)
 
 
 def write_part(PartWriter writer, list nodes):

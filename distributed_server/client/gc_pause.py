@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 
 __all__ = ["collected_apart", "collector_paused"]
+
+# CPython 3.12 keeps immortal objects in the permanent generation, so there a freeze
+# count does not tell whether someone else has frozen objects
+_FREEZE_COUNT_TELLS = sys.version_info[:2] != (3, 12)
 
 _paused_lock = threading.Lock()
 _paused_depth = 0
@@ -54,8 +59,9 @@ def collected_apart():
     young collections do not walk (``gc.unfreeze``): as if they had survived those.
 
     Does nothing more than the ``with`` block if objects are frozen already (someone
-    else's ``gc.freeze``: unfreezing would hand theirs back too)."""
-    if gc.get_freeze_count():
+    else's ``gc.freeze``: unfreezing would hand theirs back too), and on CPython 3.12,
+    where that cannot be told."""
+    if not _FREEZE_COUNT_TELLS or gc.get_freeze_count():
         yield
         return
     gc.freeze()

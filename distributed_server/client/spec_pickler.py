@@ -69,8 +69,8 @@ class SpecPickler:
         graph's later slices). None if cloudpickle refuses too (our futures among a
         task's arguments: those nodes are pickled one by one, `dumps`).
 
-        Where the compiled part writer is installed, it writes the pickle instead, each
-        object it does not know (functions, arrays...) pickled on its own by `_opaque`;
+        Where the compiled part writer is installed, it writes the pickle instead, the
+        objects it does not know (functions, arrays...) pickled together by `_opaque`;
         if it fails (an object neither pickler takes), the pickler is tried as above."""
         writer = self._part_writer()
         if writer is not None:
@@ -103,17 +103,18 @@ class SpecPickler:
                     pass
         return self._writer
 
-    def _opaque(self, obj) -> bytes:
-        """One object of a part that the part writer does not write itself, pickled on
-        its own: by the standard pickler, or by cloudpickle (by value) if that refuses it
-        or it refers to ``__main__`` or a by-value module."""
+    def _opaque(self, objects: list) -> bytes:
+        """The objects of a part that the part writer does not write itself, pickled
+        together (what they share stays shared): by the standard pickler, or by
+        cloudpickle (by value) if that refuses one or one refers to ``__main__`` or a
+        by-value module."""
         try:
-            blob = _pickled(self._plain_buffer, self._plain, obj)
+            blob = _pickled(self._plain_buffer, self._plain, objects)
         except Exception:  # noqa: BLE001 - lambdas, local functions...
-            return self._cloudpickle(obj)
+            return self._cloudpickle(objects)
         for marker in self.markers:
             if marker in blob:
-                return self._cloudpickle(obj)
+                return self._cloudpickle(objects)
         return blob
 
     def _by_value(self, node) -> bytes:
