@@ -72,12 +72,9 @@ class SpecPickler:
         Where the compiled part writer is installed, it writes the pickle instead, the
         objects it does not know (functions, arrays...) pickled together by `_opaque`;
         if it fails (an object neither pickler takes), the pickler is tried as above."""
-        writer = self._part_writer()
-        if writer is not None:
-            try:
-                return writer.write(nodes)
-            except Exception:  # noqa: BLE001 - the pickler's path says what it can do
-                pass
+        blob = self._written(nodes)
+        if blob is not None:
+            return blob
         if not self._together_by_value:
             try:
                 blob = _pickled(self._plain_buffer, self._plain, nodes)
@@ -95,13 +92,21 @@ class SpecPickler:
         """The compiled part writer, or None (not installed, or dask's node classes are
         not the ones it knows)."""
         if self._writer is _MISSING:
-            self._writer = None
-            if PartWriter is not None:
-                try:
-                    self._writer = PartWriter(self._opaque)
-                except Exception:  # noqa: BLE001 - another dask: the pickler does it
-                    pass
+            try:
+                self._writer = PartWriter(self._opaque) if PartWriter is not None else None
+            except Exception:  # noqa: BLE001 - another dask: the pickler does it
+                self._writer = None
         return self._writer
+
+    def _written(self, nodes: list) -> bytes | None:
+        """``nodes`` by the part writer, or None (none, or it could not write them)."""
+        writer = self._part_writer()
+        if writer is None:
+            return None
+        try:
+            return writer.write(nodes)
+        except Exception:  # noqa: BLE001 - the pickler's path says what it can do
+            return None
 
     def _opaque(self, objects: list) -> bytes:
         """The objects of a part that the part writer does not write itself, pickled

@@ -29,11 +29,11 @@ dd = pytest.importorskip("dask.dataframe")
 np = pytest.importorskip("numpy")
 pd = pytest.importorskip("pandas")
 
-from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef  # noqa: E402
-from dask.base import collections_to_expr  # noqa: E402
+from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
+from dask.base import collections_to_expr
 
-from distributed_server.client import spec_pickler  # noqa: E402
-from distributed_server.client.dask_graphs import materialize  # noqa: E402
+from distributed_server.client import spec_pickler
+from distributed_server.client.dask_graphs import materialize
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -61,7 +61,8 @@ def same(x, y) -> bool:
     if type(x) is dict:
         return list(x) == list(y) and all(same(x[k], y[k]) for k in x)
     if type(x) is float:
-        return (x == y and math.copysign(1, x) == math.copysign(1, y)) or (x != x and y != y)
+        return ((x == y and math.copysign(1, x) == math.copysign(1, y))
+                or (math.isnan(x) and math.isnan(y)))
     if type(x) in (int, str, bytes, bool, type(None), frozenset, set, slice):
         return x == y
     return pickle.dumps(x) == pickle.dumps(y)
@@ -233,7 +234,7 @@ def local_function(x):
 
 @needs_writer
 def test_functions_a_worker_cannot_import_go_by_value_each_once():
-    square = lambda x: x * x  # noqa: E731 - the standard pickler refuses lambdas
+    square = lambda x: x * x  # the standard pickler refuses lambdas
     nodes = [Task(("t", i), local_function if i % 2 else square, i) for i in range(6)]
     pickler = spec_pickler.SpecPickler()
     blob = pickler.dumps_together(nodes)
