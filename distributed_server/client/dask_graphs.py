@@ -56,6 +56,7 @@ whatever the graph's functions import) but no code of their own for it.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import importlib.util
 import itertools
@@ -321,7 +322,8 @@ class GraphPlan:
             self.order = dask_order(nodes) if nodes else {}
         self.sequence = sorted(nodes, key=self.order.__getitem__)
         self.external: set = set()
-        self.last_use: dict = {}
+        self.last_use: list = []  # by position: the position of its last dependent, or -1
+        self._wanted_at: list = []  # the positions of the wanted keys, in order
         self._index(nodes)
         self.sliced = len(self.sequence) > whole
         self.slice_tasks = (min(SLICE_FIRST_TASKS, self.max_slice_tasks) if self.sliced
@@ -334,23 +336,28 @@ class GraphPlan:
         self._n = 0
 
     def _index(self, nodes: dict) -> None:
-        """Find external dependencies and each key's last dependent; fix the order if a
-        dependency would come after its dependent (dask.order does not do that)."""
-        position = {key: i for i, key in enumerate(self.sequence)}
-        last_use = self.last_use
+        """Find external dependencies, each key's last dependent and where the wanted
+        keys are; fix the order if a dependency would come after its dependent
+        (dask.order does not do that). Positions are kept in lists, not dicts: a dask
+        key is a tuple, whose hash is computed again at every lookup."""
+        sequence = self.sequence
+        position = {key: i for i, key in enumerate(sequence)}
+        find = position.get
+        last_use = [-1] * len(sequence)
         external = self.external
-        for i, key in enumerate(self.sequence):
+        for i, key in enumerate(sequence):
             for dep in nodes[key].dependencies:
-                j = position.get(dep)
+                j = find(dep)
                 if j is None:
                     external.add(dep if self.plain else plain_key(dep))
                 elif j > i:
-                    self.sequence = _topological(self.sequence, nodes)
-                    last_use.clear()
+                    self.sequence = _topological(sequence, nodes)
                     external.clear()
                     return self._index(nodes)
                 else:
-                    last_use[dep] = i  # i grows: the last assignment is the last use
+                    last_use[j] = i  # i grows: the last assignment is the last use
+        self.last_use = last_use
+        self._wanted_at = sorted(i for i in map(find, self.wanted) if i is not None)
 
     def adapt(self, n_tasks: int, seconds: float) -> None:
         """The scheduler took ``seconds`` over a slice of ``n_tasks``: size the next
@@ -444,16 +451,18 @@ class GraphPlan:
         sequence = self.sequence
         end = self.position
         wanted = self.wanted
-        keys = [k for k in sequence[start:end] if k in wanted]
+        at = self._wanted_at
+        keys = [sequence[i] for i in at[bisect.bisect_left(at, start):
+                                        bisect.bisect_left(at, end)]]
         temporary: list = []
         if end < len(sequence):
-            last_use = self.last_use
-            for key in sequence[start:end]:
-                use = last_use.get(key, -1)
-                if use >= end and key not in wanted:
+            uses = self.last_use[start:end]
+            for offset in itertools.compress(range(len(uses)), map(end.__le__, uses)):
+                key = sequence[start + offset]  # a dependent comes in a later slice
+                if key not in wanted:
                     temporary.append(key)
                     self._n += 1
-                    heapq.heappush(self._pending_release, (use, self._n, key))
+                    heapq.heappush(self._pending_release, (uses[offset], self._n, key))
         release = []
         pending = self._pending_release
         while pending and pending[0][0] < end:
