@@ -4,9 +4,9 @@ callbacks (compiled only: an install without a C compiler goes without it and
 `spec_pickler.SpecPickler` pickles the slice with the standard pickler).
 
 What the standard pickler costs here (a fused dask.array node, 86 B of pickle): about
-4 us, most of it calling back into Python (dask's ``Task.__getstate__`` and each
-``Alias.__reduce__``, ``DataNode.__reduce__``) and memoizing every tuple. `write_part`
-walks the nodes in C and writes pickle opcodes (protocol 5) itself: what
+5 us, most of it calling back into Python (dask's ``Task.__getstate__`` and each
+``Alias.__reduce__``, ``DataNode.__reduce__``) and memoizing every tuple.
+`PartWriter.write` walks the nodes in C and writes pickle opcodes (protocol 5) itself: what
 ``pickle.loads`` makes of its output is what it makes of the standard pickle (the same
 classes, built the same way: ``Task`` by ``__new__`` and ``__setstate__`` of its slots,
 ``Alias``/``DataNode``/``TaskRef`` by calling them), so workers need nothing new.
@@ -29,7 +29,7 @@ that what they share is shared once loaded (a bound method's instance, a functio
 value inside many partials). That pickle comes first in the part (``pickle.loads`` of
 it, memo 0) and an opaque object is ``operator.getitem`` of that list (memoized).
 Objects shared between an opaque object's insides and natively written containers are
-not shared once loaded. ``opaque`` may raise: `write_part` then raises too, and the
+not shared once loaded. ``opaque`` may raise: `PartWriter.write` then raises too, and the
 caller pickles the slice another way.
 """
 from cpython.bytes cimport PyBytes_FromStringAndSize
@@ -542,8 +542,3 @@ cdef int _global(_Buffer buf, bytes module, bytes name) except -1:
     buf.byte(<unsigned char>len(name))
     buf.raw(<const char*>name, len(name))
     return buf.byte(STACK_GLOBAL)
-
-
-def write_part(PartWriter writer, list nodes):
-    """``nodes`` as one pickle by ``writer`` (`PartWriter.write`)."""
-    return writer.write(nodes)

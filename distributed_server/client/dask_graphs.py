@@ -42,7 +42,7 @@ What this module does (all of it on the client)
   those module names in the pickle — or the standard pickler fails (lambdas, local
   functions); then cloudpickle pickles it by value, each such function once per graph.
   A compiled install writes a slice's part with the part writer instead
-  (``_part_writer.pyx``, about three times as fast), which hands the pickler only the
+  (``_part_writer.pyx``, two to three times as fast), which hands the pickler only the
   objects it does not write itself.
 - `gc_paused`: the cyclic garbage collector is off while a graph is materialized,
   planned, pickled and sent (the objects made then live until the graph is sent).

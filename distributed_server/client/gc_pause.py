@@ -58,10 +58,12 @@ def collected_apart():
     (``gc.freeze``) and, after the collection, put in the oldest generation, which
     young collections do not walk (``gc.unfreeze``): as if they had survived those.
 
-    Does nothing more than the ``with`` block if objects are frozen already (someone
+    Does nothing more than the ``with`` block if the program turned the collector off
+    (``gc.disable`` before `collector_paused`), if objects are frozen already (someone
     else's ``gc.freeze``: unfreezing would hand theirs back too), and on CPython 3.12,
     where that cannot be told."""
-    if not _FREEZE_COUNT_TELLS or gc.get_freeze_count():
+    collecting = gc.isenabled() or (_paused_depth > 0 and _paused_resume)
+    if not collecting or not _FREEZE_COUNT_TELLS or gc.get_freeze_count():
         yield
         return
     gc.freeze()

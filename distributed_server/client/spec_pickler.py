@@ -1,7 +1,7 @@
 """Pickling a dask graph's nodes into run specs, for `dask_graphs.GraphPlan`: one by one
 (`SpecPickler.dumps`), or a slice's together into one spec part
 (`SpecPickler.dumps_together`, docs/protocol.md), by the compiled part writer
-(`_part_writer`, about twice as fast) where it is installed.
+(`_part_writer`, two to three times as fast) where it is installed.
 
 dask is optional: nothing here imports it at module import time.
 """
