@@ -444,7 +444,6 @@ cdef class PartWriter:
         return 0
 
     cdef int _save_frozenset(self, frozenset items, int depth) except -1:
-        cdef object item
         if len(items) > _SHARED_FROZENSET:
             if self._refer(items):
                 return 0
