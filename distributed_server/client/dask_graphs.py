@@ -17,15 +17,15 @@ What this module does (all of it on the client)
 - Futures of a Client (``__dask_future__``) inside a graph are its keys: dask turns a
   persisted collection's ``{key: future}`` into nothing (the scheduler has the key), and
   a future among a task's arguments into a dependency (see `SpecPickler`).
-- `GraphPlan`: orders the nodes with ``dask.order.order`` (dask's own priorities, sent as
-  each task's ``order``), keeps only what the wanted keys need when the client already
-  holds some keys of the graph, and encodes the tasks slice by slice, dependencies
-  first. A slice is one spec part (docs/protocol.md) where it can be: its nodes in one
-  pickle, whose memo they share (a fused dask.array node pickled alone is ~760 B and
-  ~18 us; in a part ~90 B and ~3 us), then its keys and their dependency keys, in
-  order; the index in the part is the order. Else (options or annotations on the
-  tasks, keys that are not plain, a node that not even cloudpickle takes) each task
-  dict holds the key, the node pickled alone (the run spec), the dependency keys, dask's
+- `GraphPlan`: keeps only what the wanted keys need when the client already holds some
+  keys of the graph, orders the nodes with ``dask.order.order`` (`dask_priorities`)
+  and encodes the tasks slice by slice, dependencies first; a task's place in that
+  sequence is its ``order`` on the scheduler. A slice is one spec part
+  (docs/protocol.md) where it can be: its nodes in one pickle, whose memo they share (a
+  fused dask.array node pickled alone is ~760 B and ~18 us; in a part ~90 B and ~3 us),
+  then its keys and their dependency keys, in order. Else (options or annotations on
+  the tasks, keys that are not plain, a node that not even cloudpickle takes) each task
+  dict holds the key, the node pickled alone (the run spec), the dependency keys, the
   order and the options/annotations the scheduler understands.
 - Slices: a graph larger than `SLICE_TASKS` tasks (or `SLICE_BYTES` of specs) goes out
   as several update-graph messages of at most `SLICE_MAX_TASKS` tasks, so the
@@ -62,6 +62,7 @@ import importlib.util
 import itertools
 import logging
 import numbers
+import operator
 from collections.abc import Callable, Mapping
 
 from .gc_pause import collected_apart, collector_paused
@@ -94,6 +95,10 @@ PART_TRIES = 2
 
 _TASK_FIELDS = ("workers", "allow_other_workers", "resources", "priority", "retries")
 _PLAIN_SCALARS = (str, int, float, bool, type(None), bytes)
+_FLAT_KEY_TYPES = frozenset((str, int, float, bytes))
+_KEY_TYPES = _FLAT_KEY_TYPES | {tuple}
+
+_DEPENDENCIES = operator.attrgetter("dependencies")
 
 _dask_found: bool | None = None
 _MISSING = object()
@@ -152,7 +157,18 @@ class DaskGraph:
 
 
 def materialize(obj) -> DaskGraph:
-    """The task-spec nodes of an expression, a collection, a HighLevelGraph or a dict."""
+    """The task-spec nodes of an expression, a collection, a HighLevelGraph or a dict:
+    dask's own work (`dask_nodes`), then the keys made plain (`with_plain_keys`)."""
+    nodes, annotations = dask_nodes(obj)
+    nodes, plain = with_plain_keys(nodes)
+    return DaskGraph(nodes, annotations, plain)
+
+
+def dask_nodes(obj) -> tuple[dict, dict]:
+    """``(nodes, annotations)``: what dask itself does to hand a graph to a scheduler
+    (``__dask_graph__()``, which optimizes an expression, and ``convert_legacy_graph``),
+    and the annotations of its layers. Nothing of ours but choosing the calls; the
+    benchmarks report its time as dask's own."""
     dask = require_dask()
     from dask._task_spec import convert_legacy_graph
 
@@ -178,8 +194,21 @@ def materialize(obj) -> DaskGraph:
     else:
         raise TypeError(f"expected a dask collection, expression or graph (a dict), "
                         f"got {type(obj).__name__}")
-    nodes, plain = with_plain_keys(convert_legacy_graph(dsk))
-    return DaskGraph(nodes, annotations, plain)
+    return convert_legacy_graph(dsk), annotations
+
+
+def dask_priorities(nodes: dict) -> dict:
+    """``dask.order.order``'s priorities for ``nodes`` (key -> int), with the cyclic
+    garbage it leaves collected right away (`collected_apart`): its working sets, held by
+    closures that refer to themselves, which only the collector frees. The benchmarks
+    report both as dask's ordering."""
+    if not nodes:
+        return {}
+    require_dask()
+    from dask.order import order
+
+    with collected_apart():
+        return order(nodes)
 
 
 def plain_key(key):
@@ -212,9 +241,23 @@ def with_plain_keys(nodes: dict) -> tuple[dict, bool]:
     in the common case (one pass, no copy). The nodes themselves are not rewritten: the
     references inside them compare and hash equal to the plain keys, so a worker finds
     their values by either; what goes on the wire is made plain when it is sent."""
-    if all(type(key) is str or _is_plain_key(key) for key in nodes):
+    if _all_plain(nodes):
         return nodes, True
     return {plain_key(key): node for key, node in nodes.items()}, False
+
+
+def _all_plain(keys) -> bool:
+    """Whether every key is plain (`_is_plain_key`). The types of the keys and of the
+    items of tuple keys are gathered by C loops; only keys of other forms (nested
+    tuples, say) are looked at one by one."""
+    kinds = set(map(type, keys))
+    if kinds <= _FLAT_KEY_TYPES:
+        return True
+    if kinds <= _KEY_TYPES:
+        tuples = keys if len(kinds) == 1 else [key for key in keys if type(key) is tuple]
+        if set(map(type, itertools.chain.from_iterable(tuples))) <= _FLAT_KEY_TYPES:
+            return True
+    return all(_is_plain_key(key) for key in keys)
 
 
 def _is_plain_key(key) -> bool:
@@ -303,11 +346,7 @@ class GraphPlan:
     def __init__(self, graph: DaskGraph, wanted: list, held, options: dict,
                  wire: Callable[[bytes], object] = lambda spec: spec,
                  slice_tasks: int | None = None, slice_bytes: int | None = None) -> None:
-        require_dask()
-        from dask.order import order as dask_order
-
         nodes = graph.nodes
-        self.nodes = nodes
         self.plain = graph.plain  # else dependencies are made plain as they are sent
         self.wanted = set(wanted)
         self.options = options
@@ -317,14 +356,16 @@ class GraphPlan:
         self.slice_bytes = slice_bytes or SLICE_BYTES
         self.annotations = _task_annotations(graph.annotations)
         if held:
-            nodes = {key: nodes[key] for key in _needed(self.nodes, wanted, held)}
-        with collected_apart():  # dask.order's cyclic garbage, at once and alone
-            self.order = dask_order(nodes) if nodes else {}
-        self.sequence = sorted(nodes, key=self.order.__getitem__)
+            nodes = {key: nodes[key] for key in _needed(nodes, wanted, held)}
+        order = dask_priorities(nodes)
+        # dask.order names the keys as the nodes' references do: not plain, maybe
+        self.sequence, position = (_in_order(nodes, order) if self.plain
+                                   else _sorted_by(nodes, order))
         self.external: set = set()
+        self.in_order: list = []  # the nodes, by position
         self.last_use: list = []  # by position: the position of its last dependent, or -1
         self._wanted_at: list = []  # the positions of the wanted keys, in order
-        self._index(nodes)
+        self._index(nodes, position)
         self.sliced = len(self.sequence) > whole
         self.slice_tasks = (min(SLICE_FIRST_TASKS, self.max_slice_tasks) if self.sliced
                             else whole)
@@ -335,27 +376,29 @@ class GraphPlan:
         self._pending_release: list = []  # heap of (last use, n, key)
         self._n = 0
 
-    def _index(self, nodes: dict) -> None:
+    def _index(self, nodes: dict, position: dict) -> None:
         """Find external dependencies, each key's last dependent and where the wanted
         keys are; fix the order if a dependency would come after its dependent
-        (dask.order does not do that). Positions are kept in lists, not dicts: a dask
-        key is a tuple, whose hash is computed again at every lookup."""
+        (dask.order does not do that). ``position``: key -> its place in the sequence.
+        Positions are kept in lists, not dicts: a dask key is a tuple, whose hash is
+        computed again at every lookup."""
         sequence = self.sequence
-        position = {key: i for i, key in enumerate(sequence)}
         find = position.get
+        in_order = list(map(nodes.__getitem__, sequence))
         last_use = [-1] * len(sequence)
         external = self.external
-        for i, key in enumerate(sequence):
-            for dep in nodes[key].dependencies:
+        for i, dependencies in enumerate(map(_DEPENDENCIES, in_order)):
+            for dep in dependencies:
                 j = find(dep)
                 if j is None:
                     external.add(dep if self.plain else plain_key(dep))
                 elif j > i:
-                    self.sequence = _topological(sequence, nodes)
+                    self.sequence = sequence = _topological(sequence, nodes)
                     external.clear()
-                    return self._index(nodes)
+                    return self._index(nodes, {key: i for i, key in enumerate(sequence)})
                 else:
                     last_use[j] = i  # i grows: the last assignment is the last use
+        self.in_order = in_order
         self.last_use = last_use
         self._wanted_at = sorted(i for i in map(find, self.wanted) if i is not None)
 
@@ -399,16 +442,16 @@ class GraphPlan:
             self._parts_tried = PART_TRIES  # never: the task dicts carry them
             return None
         self._parts_tried += 1
-        nodes, sequence = self.nodes, self.sequence
         start = self.position
-        keys = sequence[start:min(len(sequence), start + self.slice_tasks)]
-        if not _plain_keys(keys):
+        stop = min(len(self.sequence), start + self.slice_tasks)
+        keys = self.sequence[start:stop]
+        if not _all_plain(keys):  # else they would not survive msgpack (_check_key)
             return None
-        slice_nodes = [nodes[key] for key in keys]
+        slice_nodes = self.in_order[start:stop]
         blob = self.pickler.dumps_together(slice_nodes)
         if blob is None or len(blob) > PART_MAX_BYTES:
             return None
-        dependencies = [node.dependencies for node in slice_nodes]
+        dependencies = list(map(_DEPENDENCIES, slice_nodes))
         self._parts_made += 1
         return {"blob": self.wire(blob), "keys": keys,
                 "deps": list(itertools.chain.from_iterable(dependencies)),
@@ -416,7 +459,7 @@ class GraphPlan:
 
     def _task_dicts(self) -> SlicePart:
         """The next slice as task dicts."""
-        nodes, order, sequence = self.nodes, self.order, self.sequence
+        sequence, in_order = self.sequence, self.in_order
         options, annotations, wire = self.options, self.annotations, self.wire
         dumps = self.pickler.dumps
         start = i = self.position
@@ -427,10 +470,10 @@ class GraphPlan:
             key = sequence[i]
             if type(key) is not str:
                 _check_key(key)
-            node = nodes[key]
+            node = in_order[i]
             spec = dumps(node)
             budget -= len(spec)
-            task = {"key": key, "spec": wire(spec), "order": order[key]}
+            task = {"key": key, "spec": wire(spec), "order": i}
             deps = node.dependencies
             if self.pickler.found:
                 deps = deps | set(self.pickler.found)
@@ -470,6 +513,30 @@ class GraphPlan:
         return SlicePart(tasks, keys + temporary, temporary, release, part)
 
 
+def _in_order(nodes: dict, order: dict) -> tuple[list, dict]:
+    """``(the keys of nodes by their order, key -> place)``. dask.order numbers the keys
+    0 to n - 1: each goes to its place, and ``order`` is the place, without a sort or a
+    second dict. Any other numbering (gaps, repeats) is sorted."""
+    n = len(nodes)
+    if len(order) == n:
+        sequence = [None] * n
+        try:
+            for key, i in order.items():
+                sequence[i] = key
+        except (IndexError, TypeError):
+            pass
+        else:
+            if None not in sequence and (n == 0 or min(order.values()) >= 0):
+                return sequence, order  # every place taken once: a permutation
+    return _sorted_by(nodes, order)
+
+
+def _sorted_by(nodes: dict, order: dict) -> tuple[list, dict]:
+    """``(the keys of nodes sorted by order, key -> place)``."""
+    sequence = sorted(nodes, key=order.__getitem__)
+    return sequence, {key: i for i, key in enumerate(sequence)}
+
+
 def _needed(nodes: dict, wanted: list, held) -> set:
     """The keys of ``nodes`` that ``wanted`` needs, not looking past ``held`` keys."""
     needed: set = set()
@@ -506,29 +573,6 @@ def _topological(sequence: list, nodes: dict) -> list:
                 if dep in nodes and dep not in placed:
                     stack.append((dep, False))
     return out
-
-
-def _plain_keys(keys: list) -> bool:
-    """Whether every key survives msgpack (`_check_key`). The types of the keys and of
-    the items of tuple keys are gathered by C loops; only keys of other forms (nested
-    tuples, say) are checked one by one."""
-    kinds = set(map(type, keys))
-    if kinds <= _FLAT_KEY_TYPES:
-        return True
-    if kinds <= _KEY_TYPES:
-        tuples = keys if len(kinds) == 1 else [key for key in keys if type(key) is tuple]
-        if set(map(type, itertools.chain.from_iterable(tuples))) <= _FLAT_KEY_TYPES:
-            return True
-    try:
-        for key in keys:
-            _check_key(key)
-    except TypeError:
-        return False
-    return True
-
-
-_FLAT_KEY_TYPES = frozenset((str, int, float, bytes))
-_KEY_TYPES = _FLAT_KEY_TYPES | {tuple}
 
 
 def _check_key(key) -> None:

@@ -146,10 +146,40 @@ def test_plan_sends_dependencies_first_in_dask_order():
     assert seen == set(graph)
     order = dask.order.order(dask_support.materialize(graph).nodes)
     assert part.part["keys"] == sorted(order, key=order.__getitem__)
-    # as task dicts (a graph with options), each carries dask's order
+    # as task dicts (a graph with options), each carries its place in dask's order
     as_dicts = plan_of(graph, [root], options={"retries": 1}).encode_next()
     assert as_dicts.part is None
     assert [t["order"] for t in as_dicts.tasks] == sorted(order.values())
+    assert [t["key"] for t in as_dicts.tasks] == part.part["keys"]
+
+
+@pytest.mark.parametrize("numbers, placed", [
+    ([2, 0, 1], True),  # dask.order's own numbering: each key goes to its place
+    ([5, 0, 9], False),  # any other numbering: sorted by it
+    ([1, 1, 0], False), ([-1, 0, 1], False), ([0.0, 1, 2], False)])
+def test_the_sequence_follows_dask_order_however_it_numbers(numbers, placed):
+    nodes = dict.fromkeys(["a", "b", "c"])
+    order = dict(zip(nodes, numbers))
+    sequence, position = dask_support._in_order(nodes, order)
+    assert sorted(sequence, key=order.__getitem__) == sequence
+    assert sorted(sequence) == ["a", "b", "c"]
+    assert position == {key: i for i, key in enumerate(sequence)}
+    assert (position is order) is placed
+
+
+def test_a_plan_cut_at_held_keys_orders_what_is_left():
+    graph, root = tree_graph(64)
+    nodes = dask_support.materialize(graph)
+    held = {key for key in graph if key[0] == "sum" and key[1][0] == 2}
+    plan = dask_support.GraphPlan(nodes, [root], held, {})
+    assert plan.external == held  # the graph is cut there
+    part = plan.encode_next()
+    keys = part.part["keys"]
+    assert plan.done and root in keys and len(keys) == 15  # the sums above level 2
+    seen = set()
+    for task in tasks_of(part):
+        assert all(dep in seen or dep in held for dep in task.get("deps", ()))
+        seen.add(task["key"])
 
 
 def test_slices_want_their_frontier_until_its_last_dependent_is_sent():
@@ -233,7 +263,7 @@ def test_keys_must_survive_msgpack():
     (["a", ("x", 1, ("y", 1.5))], True), ([("x", 1), ("x", np.int64(2))], False),
     ([("x", frozenset())], False), (["a", None], False), ([("x", ("y", None))], False)])
 def test_keys_that_survive_msgpack_are_told_apart_from_those_that_do_not(keys, plain):
-    assert dask_support._plain_keys(keys) is plain
+    assert dask_support._all_plain(keys) is plain
 
 
 def test_specs_of_importable_functions_use_the_standard_pickler():
