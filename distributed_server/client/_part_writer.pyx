@@ -35,7 +35,7 @@ caller pickles the slice another way.
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int64_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 cdef extern from "Python.h":
     # declared here: Cython before 3.0.7 declares it without "except NULL", and a string
@@ -85,6 +85,9 @@ cdef enum:
 cdef int _SHORT_STRING = 4  # shorter strings are written in place, not memoized
 cdef int _SHARED_BYTES = 64  # bytes objects this long or longer are memoized
 cdef int _SHARED_FROZENSET = 8  # frozensets longer than this are memoized
+cdef enum:
+    _SEEN_SLOTS = 512  # the seen cache's size (a power of two)
+
 cdef int _OPAQUE_LIST = 0  # memo index of the list of opaque objects
 cdef int _GETITEM = 1  # memo index of operator.getitem
 
@@ -154,6 +157,13 @@ cdef class PartWriter:
     cdef object task_state  # attrgetter of all of Task's slots
     cdef Py_ssize_t task_args, task_kwargs  # the indices of "args" and "kwargs" in them
     cdef dict containers  # List/Tuple/Set/Dict type -> (attrgetter of slots, kwargs index)
+    # The seen cache: the objects last found in (or put in) by_id and strings, by
+    # address, with their memo indices. A slice's nodes meet the same few objects again
+    # and again (their function, dask's classes, their keys' name), and a dict lookup
+    # costs ten times this check. Every object in it is kept alive (by alive or strings)
+    # until the part is written, so no other object can take its address meanwhile.
+    cdef void* seen_objects[_SEEN_SLOTS]
+    cdef Py_ssize_t seen_indices[_SEEN_SLOTS]
 
     def __init__(self, opaque):
         from operator import attrgetter
@@ -187,6 +197,7 @@ cdef class PartWriter:
         self.by_id = {}
         self.alive = []
         self.opaques = []
+        memset(self.seen_objects, 0, sizeof(self.seen_objects))
         try:
             self.buf.byte(EMPTY_LIST)
             self._memoize()
@@ -287,8 +298,13 @@ cdef class PartWriter:
     cdef int _save_str(self, str text) except -1:
         cdef Py_ssize_t n
         cdef const char* utf8
+        cdef Py_ssize_t slot = _slot(<void*>text)
+        if self.seen_objects[slot] == <void*>text:
+            return self._get(self.seen_indices[slot])
         found = self.strings.get(text)
         if found is not None:
+            self.alive.append(text)  # an equal string's index: keep this one's address
+            self._cache(<void*>text, <Py_ssize_t>found)
             return self._get(<Py_ssize_t>found)
         utf8 = PyUnicode_AsUTF8AndSize(text, &n)  # raises for lone surrogates
         if n < 256:
@@ -299,7 +315,8 @@ cdef class PartWriter:
             self.buf.uint(<uint64_t>n, 8)
         self.buf.raw(utf8, n)
         if len(text) >= _SHORT_STRING:
-            self.strings[text] = self.memo
+            self.strings[text] = self.memo  # which keeps it alive
+            self._cache(<void*>text, self.memo)
             self._memoize()
         return 0
 
@@ -378,23 +395,31 @@ cdef class PartWriter:
             self.buf.byte(TUPLE)
         return 0
 
+    cdef inline void _cache(self, void* obj, Py_ssize_t index):
+        cdef Py_ssize_t slot = _slot(obj)
+        self.seen_objects[slot] = obj
+        self.seen_indices[slot] = index
+
     cdef bint _seen(self, object obj) except -1:
         """Refer to ``obj`` if it was written already (True); else note that the memo
         index the caller's next MEMOIZE takes is its (False)."""
-        key = id(obj)
-        found = self.by_id.get(key)
-        if found is not None:
-            self._get(<Py_ssize_t>found)
+        if self._refer(obj):
             return True
-        self.by_id[key] = self.memo
+        self.by_id[id(obj)] = self.memo
         self.alive.append(obj)
+        self._cache(<void*>obj, self.memo)
         return False
 
     cdef bint _refer(self, object obj) except -1:
         """Refer to ``obj`` if it was written already (True)."""
+        cdef Py_ssize_t slot = _slot(<void*>obj)
+        if self.seen_objects[slot] == <void*>obj:
+            self._get(self.seen_indices[slot])
+            return True
         found = self.by_id.get(id(obj))
         if found is None:
             return False
+        self._cache(<void*>obj, <Py_ssize_t>found)
         self._get(<Py_ssize_t>found)
         return True
 
@@ -402,6 +427,7 @@ cdef class PartWriter:
         """Memoize ``obj``, just written (on the stack), for later references."""
         self.by_id[id(obj)] = self.memo
         self.alive.append(obj)
+        self._cache(<void*>obj, self.memo)
         return self._memoize()
 
     cdef int _save_list(self, list items, int depth) except -1:
@@ -517,6 +543,12 @@ cdef class PartWriter:
         self.buf.byte(REDUCE)
         self.opaques.append(obj)
         return self._remember(obj)
+
+
+cdef inline Py_ssize_t _slot(void* obj):
+    """An object's slot in the seen cache: its address without the bits that
+    allocation alignment leaves zero."""
+    return (<size_t>obj >> 4) & (_SEEN_SLOTS - 1)
 
 
 cdef int _bytes(_Buffer buf, bytes data) except -1:

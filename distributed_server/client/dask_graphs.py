@@ -76,8 +76,9 @@ DASK_REQUIRED = 'this needs dask: pip install "distributed-core[dask]"'
 #: A graph of more tasks than this is sent in slices (else in one update-graph).
 SLICE_TASKS = 10_000
 #: Tasks per slice at most. The scheduler takes a slice in as one stimulus, which no
-#: other peer can interrupt: at its ~12 us per dask task (graph_intake_seconds over
-#: graph_tasks on /metrics), a slice of 10,000 would hold its loop ~120 ms, of 4,000 ~50.
+#: other peer can interrupt: at ~4 us per task of a spec part (graph_intake_seconds over
+#: graph_tasks on /metrics, big_job.py at a million), a slice of 4,000 holds its loop
+#: ~16 ms; as task dicts, at ~12 us a task, ~50 ms.
 SLICE_MAX_TASKS = 4_000
 #: Size of a sliced graph's first slice, and the least any slice is cut down to.
 SLICE_FIRST_TASKS = 2_000

@@ -11,7 +11,9 @@ a compiled install without it fails).
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import pickle
 import sys
 import threading
@@ -264,3 +266,23 @@ def test_the_writer_leaves_no_state_between_parts():
     second = writer.write([Task("a", len, "shared-name", [1])])
     assert first == second
     assert pickle.loads(writer.write([]))  == []
+
+
+@needs_writer
+def test_many_objects_met_again_and_again_are_each_what_they_were():
+    # more shared objects than the writer's seen cache has slots (512), met in turns, and
+    # equal strings that are distinct objects, made and dropped while a part is written
+    functions = [functools.partial(operator.add, [i]) for i in range(1_500)]
+    shared = [[i] for i in range(1_500)]
+    nodes = []
+    for turn in range(3):
+        for i in range(0, 1_500, 7 + turn):
+            name = "".join(["name-", str(i % 50)])  # a new str object each time
+            nodes.append(Task((name, turn, i), functions[i], shared[i]))
+    loaded = pickle.loads(written(nodes))
+    assert all(same(a, b) for a, b in zip(loaded, pickle.loads(standard(nodes)), strict=True))
+    lists: dict = {}
+    for node in loaded:
+        name, _, i = node.key
+        assert name == f"name-{i % 50}" and node({}) == [i, i]
+        assert lists.setdefault(i, node.args[0]) is node.args[0]  # still one list each
