@@ -271,7 +271,7 @@ def test_the_writer_leaves_no_state_between_parts():
 @needs_writer
 def test_many_objects_met_again_and_again_are_each_what_they_were():
     # more shared objects than the writer's seen cache has slots (512), met in turns, and
-    # equal strings that are distinct objects, made and dropped while a part is written
+    # equal strings that are distinct objects (found in its strings dict by value)
     functions = [functools.partial(operator.add, [i]) for i in range(1_500)]
     shared = [[i] for i in range(1_500)]
     nodes = []
