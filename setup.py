@@ -1,9 +1,11 @@
 """Build the distributed_core extensions, each from its one .pyx source: _core (the
-scheduler's state machine) and _worker_core (a worker's); and two small extensions of
+scheduler's state machine) and _worker_core (a worker's); and three small extensions of
 the shell, which the interpreted install goes without: distributed_server.diagnostics.
 pool_pages (C: gives the small-object allocator's empty pools back to the OS after a big
-release) and distributed_server.client._part_writer (Cython: writes a slice of a dask
-graph's nodes as one pickle without the pickler's Python callbacks).
+release), distributed_server.client._part_writer (Cython: writes a slice of a dask
+graph's nodes as one pickle without the pickler's Python callbacks) and
+distributed_server.client.lean_order (Cython's pure-Python mode, so the same .py runs
+interpreted: orders a big dask graph in flat arrays).
 
 DISTRIBUTED_CORE_PURE=1              build no extension (the interpreted fallback)
 DISTRIBUTED_CORE_REQUIRE_COMPILED=1  a failed compile of any extension fails the
@@ -65,7 +67,8 @@ def _extensions():
         return [pool_pages]
     return cythonize(
         ["distributed_core/_core.pyx", "distributed_core/_worker_core.pyx",
-         "distributed_server/client/_part_writer.pyx"],
+         "distributed_server/client/_part_writer.pyx",
+         "distributed_server/client/lean_order.py"],
         compiler_directives={"language_level": 3},
     ) + [pool_pages]
 

@@ -24,6 +24,7 @@ import tracemalloc
 
 import psutil
 
+from distributed_server.cli import SCHEDULER_GC_THRESHOLDS
 from distributed_server.scheduler.server import Scheduler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,7 +49,7 @@ sys.stdin.readline()
 async def profile(n: int, trace: bool, top: int) -> None:
     scheduler = await Scheduler().start()
     gc.freeze()
-    gc.set_threshold(100_000, 50, 1000)
+    gc.set_threshold(*SCHEDULER_GC_THRESHOLDS)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
     worker = subprocess.Popen([sys.executable, "-m", "distributed_server.cli", "worker",

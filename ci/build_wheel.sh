@@ -164,7 +164,7 @@ def check_sdist(sdist):
     show(sdist, names)
     for need in ("pyproject.toml", "setup.py", "distributed_core/__init__.py",
                  "distributed_core/_core.pyx", "distributed_core/_worker_core.pyx",
-                 "distributed_core/_cython_shim.py",
+                 "distributed_core/cython_shim.py",
                  "distributed_server/client/_part_writer.pyx",
                  "distributed_server/__init__.py"):
         if need not in names:
@@ -183,7 +183,7 @@ for wheel, kind in ((compiled, "compiled"), (pure, "pure")):
     names = zipfile.ZipFile(wheel).namelist()
     show(wheel, names)
     for need in ("distributed_core/__init__.py", "distributed_core/_core.pyx",
-                 "distributed_core/_worker_core.pyx", "distributed_core/_cython_shim.py",
+                 "distributed_core/_worker_core.pyx", "distributed_core/cython_shim.py",
                  "distributed_server/__init__.py",
                  *(f"distributed_server/{sub}/__init__.py" for sub in SUBPACKAGES)):
         if need not in names:
@@ -191,7 +191,8 @@ for wheel, kind in ((compiled, "compiled"), (pure, "pure")):
     extensions = [n for n in names if n.endswith((".so", ".pyd", ".dylib"))]
     for module in ("distributed_core/_core", "distributed_core/_worker_core",
                    "distributed_server/diagnostics/pool_pages",
-                   "distributed_server/client/_part_writer"):
+                   "distributed_server/client/_part_writer",
+                   "distributed_server/client/lean_order"):
         prefix = f"{module}."
         found = [n for n in extensions if n.startswith(prefix) and "/" not in n[len(prefix):]]
         if kind == "compiled" and len(found) != 1:

@@ -74,7 +74,7 @@ from __future__ import annotations
 try:
     import cython
 except ImportError:  # the pure-Python install runs without Cython
-    from . import _cython_shim as cython
+    from . import cython_shim as cython
 
 import heapq
 from collections import namedtuple

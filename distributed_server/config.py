@@ -120,6 +120,7 @@ SETTINGS = {
     **{f"comm.tls.{role}.{part}": (f"distributed.comm.tls.{role}.{part}", None, _path)
        for role in ("client", "scheduler", "worker") for part in ("cert", "key")},
     "comm.token-file": (None, None, _path),
+    "client.lean-order-tasks": (None, 1_000_000, _count),
 }
 
 

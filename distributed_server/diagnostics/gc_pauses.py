@@ -127,7 +127,8 @@ class LoopCollector:
         generation, or None. Unlike the automatic collector, a generation-2 collection
         does not also wait for the long-lived objects to have grown by a quarter (the
         interpreter does not expose that count): with the scheduler's thresholds
-        (100,000, 50, 1000) it comes after 50 million net allocations at the earliest."""
+        (``cli.SCHEDULER_GC_THRESHOLDS``: 100,000, 10, 5,000) it comes after five billion
+        net allocations at the earliest."""
         counts = gc.get_count()
         if counts[0] <= self._thresholds[0]:
             return None

@@ -10,11 +10,11 @@ import distributed_core
 
 CORE_DIR = os.path.dirname(distributed_core.__file__)
 ALLOWED_IMPORTS = {
-    "_core.pyx": {"__future__", "cython", "_cython_shim", "heapq", "math", "collections",
+    "_core.pyx": {"__future__", "cython", "cython_shim", "heapq", "math", "collections",
                   "typing", "array"},
-    "_worker_core.pyx": {"__future__", "cython", "_cython_shim", "heapq", "collections",
+    "_worker_core.pyx": {"__future__", "cython", "cython_shim", "heapq", "collections",
                          "typing", "_core"},
-    "_cython_shim.py": {"dataclasses"},
+    "cython_shim.py": {"dataclasses"},
     "__init__.py": {"importlib", "os", "sys", "_core", "_worker_core"},
 }
 STATE_MACHINES = ("_core.pyx", "_worker_core.pyx")

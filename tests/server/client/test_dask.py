@@ -349,6 +349,22 @@ def test_array_through_compute_and_the_default_scheduler(client, arrays):
     assert dask.compute(x.sum(), scheduler=client)[0] == first.result()  # the client itself
 
 
+def test_graphs_in_the_lean_order_compute_as_in_dask_order(client, arrays, monkeypatch):
+    """With ``dcore.client.lean-order-tasks`` at 0 every graph gets the lean order
+    (the order of graphs over a million tasks)."""
+    x, y = arrays
+    ordered = []
+    lean = dask_support.LeanOrder
+    monkeypatch.setattr(dask_support, "LeanOrder",
+                        lambda nodes: ordered.append(len(nodes)) or lean(nodes))
+    collections = ((x @ y).sum(axis=1), (x - x.mean(axis=0)).std(axis=1))
+    with dask.config.set({"dcore.client.lean-order-tasks": 0}):
+        ours, theirs = same_as_sync(client, *collections)
+    assert ordered and ordered[0] > 100
+    for mine, dasks in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(mine, dasks)
+
+
 def test_the_default_scheduler_is_undone_on_close(cluster):
     before = dask.config.get("scheduler", None)
     with Client(cluster):

@@ -1,4 +1,6 @@
-"""The few names of the `cython` module that _core.pyx uses, for running without Cython."""
+"""The few names of the `cython` module that our sources in Cython's pure-Python syntax use
+(distributed_core's _core.pyx and _worker_core.pyx, distributed_server.client.lean_order),
+for running them without Cython."""
 import dataclasses  # noqa: F401  (used as cython.dataclasses)
 
 compiled = False
