@@ -80,11 +80,12 @@ DASK_REQUIRED = 'this needs dask: pip install "distributed-core[dask]"'
 SLICE_TASKS = 10_000
 #: Tasks per slice at most. The scheduler takes a slice in as one stimulus, which no
 #: other peer can interrupt: at ~4 us per task of a spec part (graph_intake_seconds over
-#: graph_tasks on /metrics, big_job.py at a million), a slice of 4,000 holds its loop
-#: ~16 ms; as task dicts, at ~12 us a task, ~50 ms.
-SLICE_MAX_TASKS = 4_000
+#: graph_tasks on /metrics, big_job.py), a slice of 2,000 holds its loop ~8 ms; as task
+#: dicts, at ~12 us a task, ~25 ms. With 4,000 a probe waited 145-214 ms while ten
+#: million tasks came in (big_job.py 3000000 --dask-unoptimized), with 2,000 90 ms.
+SLICE_MAX_TASKS = 2_000
 #: Size of a sliced graph's first slice, and the least any slice is cut down to.
-SLICE_FIRST_TASKS = 2_000
+SLICE_FIRST_TASKS = 1_000
 SLICE_MIN_TASKS = 500
 #: Scheduler time (seconds) a slice should take; slice sizes follow the measured rate.
 SLICE_SECONDS = 0.1

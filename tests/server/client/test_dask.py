@@ -591,9 +591,9 @@ def test_slice_sizes_follow_the_scheduler_rate(monkeypatch):
     plan.adapt(2000, 0.01)
     assert plan.slice_tasks == dask_support.SLICE_MAX_TASKS < 10_000
     for _ in range(10):
-        plan.adapt(plan.slice_tasks, plan.slice_tasks / 20_000)  # 20,000 tasks/s
-    assert abs(plan.slice_tasks - 2000) < 50
-    plan.adapt(2000, 100.0)
+        plan.adapt(plan.slice_tasks, plan.slice_tasks / 10_000)  # 10,000 tasks/s
+    assert abs(plan.slice_tasks - 1000) < 50
+    plan.adapt(1000, 100.0)
     assert plan.slice_tasks >= dask_support.SLICE_MIN_TASKS
     small, small_root = tree_graph(100)
     assert not plan_of(small, [small_root]).sliced
