@@ -97,6 +97,9 @@ def _places(n: cython.Py_ssize_t, dep_start, deps):
     """Each task's place (an array by task index), from its dependencies (``deps``,
     ``dep_start[i]:dep_start[i + 1]`` for task i): of the two orders, the one that holds
     fewer results at once when its tasks run one by one."""
+    for i in _long_runs(dep_start, n, _SHORT_RUN):  # else the insertion sort is quadratic
+        deps[dep_start[i]:dep_start[i + 1]] = array("i", sorted(
+            deps[dep_start[i]:dep_start[i + 1]]))
     _sort_runs(dep_start, deps, n)
     dependent_start = array("q", bytes(8 * (n + 1)))
     dependents = array("i", bytes(4 * len(deps)))
@@ -116,6 +119,9 @@ def _places(n: cython.Py_ssize_t, dep_start, deps):
     return placed
 
 
+#: Dependencies of a task sorted by insertion at most; longer runs by Python's sort.
+_SHORT_RUN = 32
+
 _CYCLE = ("the dask graph has a cycle: some of its tasks depend on themselves through "
           "others")
 
@@ -123,8 +129,23 @@ _CYCLE = ("the dask graph has a cycle: some of its tasks depend on themselves th
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
+def _long_runs(start: cython.longlong[:], n: cython.Py_ssize_t,
+               longest: cython.Py_ssize_t) -> list:
+    """The tasks with more than ``longest`` dependencies."""
+    i: cython.Py_ssize_t
+    found: list = []
+    for i in range(n):
+        if start[i + 1] - start[i] > longest:
+            found.append(i)
+    return found
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def _sort_runs(start: cython.longlong[:], items: cython.int[:], n: cython.Py_ssize_t):
-    """Sort each task's dependencies by index (an insertion sort: most have a few)."""
+    """Sort each task's dependencies by index (an insertion sort: most have a few, and
+    the long runs are sorted already)."""
     i: cython.Py_ssize_t
     a: cython.Py_ssize_t
     b: cython.Py_ssize_t

@@ -78,6 +78,16 @@ def test_the_same_graph_gets_the_same_order_whatever_the_hash_seed():
     assert orders[0] and orders[0] == orders[1] == orders[2]
 
 
+def test_a_task_with_many_dependencies():
+    """A task that depends on 50,000 others (``delayed(sum)`` of a long list): their
+    numbers are sorted in n log n, not by insertion."""
+    nodes = {("x", i): node() for i in range(50_000)}
+    nodes["total"] = node(*reversed(list(nodes)))
+    places = lean_order(nodes)
+    assert_a_valid_order(nodes, places)
+    assert places["total"] == len(nodes) - 1
+
+
 def test_a_chain_and_a_lone_task():
     nodes = {"c": node("b"), "b": node("a"), "a": node(), "alone": node()}
     places = lean_order(nodes)
