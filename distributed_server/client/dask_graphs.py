@@ -19,7 +19,7 @@ What this module does (all of it on the client)
   a future among a task's arguments into a dependency (see `SpecPickler`).
 - `GraphPlan`: keeps only what the wanted keys need when the client already holds some
   keys of the graph, orders the nodes (``dask.order.order``, or above a million tasks
-  our `LeanOrder`, which needs a twentieth of its memory and time)
+  our `LeanOrder`, which needs a tenth of its memory and a twentieth of its time)
   and encodes the tasks slice by slice, dependencies first; a task's place in that
   sequence is its ``order`` on the scheduler. A slice is one spec part
   (docs/protocol.md) where it can be: its nodes in one pickle, whose memo they share (a
@@ -206,9 +206,9 @@ def uses_lean_order(n_tasks: int) -> bool:
     """Whether a graph of ``n_tasks`` is ordered by our `LeanOrder` (above the setting
     ``dcore.client.lean-order-tasks``, a million) rather than by dask's own
     (`dask_priorities`). dask.order keeps about 1.8 KB a task and takes about 30 us a
-    task (3.9 GiB and 40 s at 1.3 million tasks); the lean order about 100 B and 1 us,
-    and it holds as few results at once as dask.order's on the graphs of the tests
-    (tests/server/client/test_lean_order.py)."""
+    task (3.9 GiB and 40 s at 1.3 million tasks); the lean order at most about 130 B
+    and 1.6 us, and it holds as few results at once as dask.order's on the graphs of
+    the tests (tests/server/client/test_lean_order.py)."""
     return n_tasks > config.get("client.lean-order-tasks")
 
 

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""A lean ordering of a big dask graph: ``dask.order``'s job in about 100 B a task.
+"""A lean ordering of a big dask graph: ``dask.order``'s job in about 130 B a task.
 
 ``dask.order.order`` keeps a set of dependencies and a set of dependents per task and
 more besides: about 1.8 KB a task on top of the graph (3.9 GiB of working memory at
