@@ -605,12 +605,12 @@ def _unpack_log(packed: tuple) -> list:
 def _joined(values: list):
     """Strs as ``(prefix, rest)``: the prefix they all share, and the rest of each,
     each after the first after a NUL (two objects, off the small-object arenas; a map's
-    keys share all but their last digits). Other values, or a str that holds a NUL, as
-    a list."""
+    keys share all but their last digits). Dask keys (tuples of a name and ints) as
+    `_joined_dask_keys` packs them. Other values, or a str that holds a NUL, as a list."""
     try:
         joined = "\0".join(values)
     except TypeError:
-        return list(values)
+        return _joined_dask_keys(values)
     if joined.count("\0") != len(values) - 1:
         return list(values)
     first, last = values[0], values[-1]
@@ -627,13 +627,53 @@ def _joined(values: list):
     return prefix, "\0".join([value[n:] for value in values])
 
 
+def _joined_dask_keys(values: list):
+    """Tuples of a str and at most 255 ints (a dask key: a name, then where the chunk
+    or partition is) as four objects: their distinct names (`_joined`), which name each
+    one has, how many ints each one has, and the ints. A tuple key held as it is would
+    keep its tuple and ints in the arenas of the job that made it. Values of any other
+    kind, or ints out of 64 bits, as a list."""
+    names: dict = {}
+    which = array("I")
+    counts = bytearray()
+    ints = array("q")
+    for value in values:
+        if (type(value) is not tuple or not value or type(value[0]) is not str
+                or len(value) > 256):
+            return list(values)
+        for item in value[1:]:
+            if type(item) is not int:  # a bool would come back an int
+                return list(values)
+        which.append(names.setdefault(value[0], len(names)))
+        counts.append(len(value) - 1)
+        try:
+            ints.extend(value[1:])
+        except OverflowError:
+            return list(values)
+    return _joined(list(names)), which, bytes(counts), ints
+
+
 def _unjoined(packed) -> list:
     """The values `_joined` packed."""
     if type(packed) is list:
         return packed
+    if len(packed) == 4:
+        return _unjoined_dask_keys(packed)
     prefix, joined = packed
     rests = joined.split("\0")
     return [prefix + rest for rest in rests] if prefix else rests
+
+
+def _unjoined_dask_keys(packed: tuple) -> list:
+    """The dask keys `_joined_dask_keys` packed."""
+    names, which, counts, ints = packed
+    names = _unjoined(names)
+    keys = []
+    at: cython.Py_ssize_t = 0
+    for name, n in zip(which, counts):
+        keys.append((names[name], *ints[at:at + n]))
+        at += n
+    return keys
 
 
 def _chained_keys(other: dict, shards: list):
@@ -3154,6 +3194,8 @@ class SchedulerState:
         the system. Reads are the same (`transition_log`, `story`); new transitions are
         logged as before, and the packed ones are dropped once as many new ones fill the
         log."""
+        if not self._log_entries:
+            return  # nothing logged since the last packing
         entries = self.transition_log
         self._log_entries = []
         self._log_next = 0

@@ -1,6 +1,8 @@
 """Looking inside: story(), the bounded transition log, validate_state, memory left behind."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 from core_sim import Clock, Sim, states, task
 
@@ -81,12 +83,35 @@ def _twin_logs(length: int, keys: list, pack_after: set) -> None:
     [("x", i) for i in range(12)],                         # dask keys
     ["a", ("b", 1), "", "nul\0inside", 3, 2.5, b"raw"] * 2,  # all the kinds at once
     ["same-a", "other", "same-b", "same-c", ""] * 3,       # first and last share more
-], ids=["str", "tuple", "mixed", "prefixes"])
+    [("x", i, -i) for i in range(6)] + [("y",), ("z", 2**63 - 1, -2**63)] * 3,  # shapes
+    [("a\0b", i) for i in range(12)],                      # a name that holds a NUL
+    [("x", 2**64 + i) for i in range(12)],                 # ints over 64 bits
+    [("x", True), ("x", 2), ("x", 1.5), ("x", ("y", 1))] * 3,  # not a name and ints
+], ids=["str", "tuple", "mixed", "prefixes", "tuple-shapes", "tuple-nul", "tuple-big",
+        "tuple-other"])
 def test_a_packed_transition_log_reads_as_before_and_stays_bounded(keys):
     # packed when empty, when part full, twice in a row, once full, and never again
     # until the new transitions have pushed the packed ones out
     _twin_logs(7, keys, pack_after={0, 1, 2, 5, 6, 9})
     _twin_logs(100, keys, pack_after={3, 20})
+
+
+@pytest.mark.parametrize("make_key", [lambda i: f"noop-{i}", lambda i: ("x", i, 2 * i)],
+                         ids=["str", "tuple"])
+def test_a_packed_transition_log_holds_no_key_object(make_key):
+    # the last keys of a released job must not keep the allocator's arenas of the job
+    sim = Sim()
+    sim.add_worker("A", 1)
+    keys = [make_key(i) for i in range(1000, 1004)]
+    sim.submit([task(key) for key in keys], keys)
+    sim.run_all()
+    sim.release(keys, stimulus_id="bye")
+    held = [sys.getrefcount(key) for key in keys]
+    logged = [sum(entry[0] is key for entry in sim.state.transition_log) for key in keys]
+    assert all(logged)
+    sim.state.pack_transition_log()
+    assert [sys.getrefcount(key) for key in keys] == [
+        n - times for n, times in zip(held, logged)]
 
 
 def test_clearing_the_log_drops_the_packed_transitions_too():
