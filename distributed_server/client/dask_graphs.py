@@ -150,8 +150,9 @@ def is_dask_collection(obj) -> bool:
 
 class DaskGraph:
     """A materialized dask graph: ``nodes`` (key -> task-spec node), ``annotations``
-    (annotation name -> {key: value}) and ``plain``: False when dask named some keys
-    with numpy scalars (the nodes' own references still do; see `with_plain_keys`)."""
+    (annotation name -> {key: value}) and ``plain``: True when every key is plain
+    (`with_plain_keys` checked them), False when dask named some keys with numpy scalars
+    (the nodes' own references still do)."""
 
     __slots__ = ("annotations", "nodes", "plain")
 
@@ -383,7 +384,7 @@ class GraphPlan:
             self.last_use = lean.last_use
             self.external = (lean.external if self.plain
                              else set(map(plain_key, lean.external)))
-            self._wanted_at = sorted(i for i in map(lean.places.get, self.wanted)
+            self._wanted_at = sorted(i for i in map(lean.place_of, self.wanted)
                                      if i is not None)
         else:
             order = dask_priorities(nodes)
@@ -469,9 +470,7 @@ class GraphPlan:
         self._parts_tried += 1
         start = self.position
         stop = min(len(self.sequence), start + self.slice_tasks)
-        keys = self.sequence[start:stop]
-        if not _all_plain(keys):  # else they would not survive msgpack (_check_key)
-            return None
+        keys = self.sequence[start:stop]  # plain: `with_plain_keys` found them so
         slice_nodes = self.in_order[start:stop]
         blob = self.pickler.dumps_together(slice_nodes)
         if blob is None or len(blob) > PART_MAX_BYTES:

@@ -47,21 +47,22 @@ class LeanOrder:
     """The lean order of ``nodes`` (key -> a node with ``.dependencies``) with what a
     plan to send them needs, found in the same pass over their dependencies:
 
-    - ``places``: key -> its place, 0 to n - 1, after its dependencies among the nodes;
+    - ``place_of(key)``: its place, 0 to n - 1, after its dependencies among the nodes
+      (``places``: all of them as a dict);
     - ``sequence`` and ``in_order``: the keys and the nodes by place;
     - ``last_use``: by place, the place of the task's last dependent (-1: none);
     - ``external``: the dependencies that are not among the nodes.
 
     Raises ValueError if the nodes depend on each other in a cycle."""
 
-    __slots__ = ("external", "in_order", "last_use", "places", "sequence")
+    __slots__ = ("_index", "_places", "external", "in_order", "last_use", "sequence")
 
     def __init__(self, nodes: dict) -> None:
         n: cython.Py_ssize_t = len(nodes)
         i: cython.Py_ssize_t
         place: cython.Py_ssize_t
         external: set = set()
-        index: dict = dict(zip(nodes, range(n)))  # key -> index; its values become places
+        index: dict = dict(zip(nodes, range(n)))  # key -> index
         find = index.get
         dep_start = array("q", bytes(8 * (n + 1)))
         flat: list = []
@@ -86,11 +87,23 @@ class LeanOrder:
             place = places[i]
             sequence[place] = key
             in_order[place] = node
-            index[key] = place
-        self.places = index
+        # not a dict of places: storing each key's place again costs as much as the
+        # index did (a tuple's hash is not cached), and a plan looks up a few keys
+        self._index = index
+        self._places = places_array
         self.sequence = sequence
         self.in_order = in_order
         self.external = external
+
+    def place_of(self, key):
+        """The place of ``key``; None if it is not among the nodes."""
+        i = self._index.get(key)
+        return None if i is None else self._places[i]
+
+    @property
+    def places(self) -> dict:
+        """key -> its place, for every key (a new dict)."""
+        return dict(zip(self.sequence, range(len(self.sequence))))
 
 
 def _places(n: cython.Py_ssize_t, dep_start, deps):
