@@ -109,6 +109,9 @@ RELEASE_SLICE_KEYS = config.SETTINGS["scheduler.slice-keys"][1]
 FORGET_SLICE_PER_KEY = 5
 #: Seconds between the heap trimmer's looks for a trim it owes (`HeapTrimmer.settle`).
 HEAP_SETTLE_INTERVAL = 1.0
+#: Seconds between the parts of a collecting heap trim (`HeapTrimmer.step`): what came
+#: in meanwhile is handled between them, not after all of them.
+HEAP_TRIM_STEP_GAP = 0.005
 #: Seconds between the heartbeats the scheduler sends every client (`_heartbeat_clients`).
 CLIENT_HEARTBEAT_INTERVAL = 5.0
 
@@ -487,7 +490,9 @@ class Scheduler:
             self._validate_after_bug(stimulus_id)
             return False
         self._apply(messages)
-        self.heap_trimmer.held(len(self.state.tasks))
+        if self.heap_trimmer.held(len(self.state.tasks), in_steps=True) \
+                and self.heap_trimmer.steps_owed:
+            self._trim_step(now=False)
         if self.state.forget_backlog and not self._forgetting:
             self._forgetting = True
             self.in_background(self._forget_in_turns())
@@ -620,6 +625,18 @@ class Scheduler:
         so that the arenas their small objects were spread over can go back."""
         self.task_stream.squeeze()
         self.state.pack_transition_log()
+
+    def _trim_step(self, now: bool = True) -> None:
+        """The next part of a collecting heap trim (``now``), and a call for the one
+        after; all of them at once where no event loop runs."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            while self.heap_trimmer.step():
+                pass
+            return
+        if not now or self.heap_trimmer.step():
+            loop.call_later(HEAP_TRIM_STEP_GAP, self._trim_step)
 
     async def _settle_heap(self) -> None:
         """Once a second, let the heap trimmer trim once more after a release that left

@@ -210,3 +210,38 @@ def test_arena_tails_wait_for_the_next_settle_then_go_a_step_a_second(monkeypatc
     del calls[:]
     assert [trimmer.settle(0) for _ in range(4)] == [False] * 4 and calls == ["tails"] * 3
     assert left == [0] and trimmer.pool_bytes == 2**20 * (heap_trim.SETTLE_TRIMS + 3)
+
+
+def test_a_collecting_trim_in_steps_does_one_part_a_step(monkeypatch):
+    """Begun in steps, a collecting trim waits for `step`: the histories packed, then
+    the collection, then the pools and the heap; nothing else trims meanwhile, and the
+    settling trims follow as after a trim in one go."""
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    trimmer = HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
+                          before_collect=lambda: calls.append("squeeze"),
+                          collect_below=1_024, collect_after=100_000)
+    trimmer.held(1_000_000, in_steps=True)
+    assert trimmer.held(0, in_steps=True) and trimmer.steps_owed and calls == []
+    assert trimmer.trims == 1
+    assert not trimmer.held(0, in_steps=True) and not trimmer.settle(0) and calls == []
+    parts = []
+    while True:
+        more = trimmer.step()
+        parts.append(calls[:])
+        calls.clear()
+        if not more:
+            break
+    assert parts == [["pack", "squeeze"], ["collect"], ["trim"]]
+    assert not trimmer.steps_owed and not trimmer.step() and trimmer.peak == 0
+    assert trimmer.settle(0) and calls == ["pack", "squeeze", "collect", "trim"]
+    assert trimmer.trims == 2
+
+
+def test_in_steps_only_a_collecting_trim_waits(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    trimmer = HeapTrimmer(after=10)
+    assert [trimmer.held(n, in_steps=True) for n in (100, 50)] == [False, True]
+    assert calls == ["trim"] and not trimmer.steps_owed

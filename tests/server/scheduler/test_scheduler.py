@@ -200,6 +200,44 @@ def test_a_collecting_trim_packs_the_recent_past_and_reads_stay_the_same():
     assert s.task_stream.window() == stream
 
 
+def test_a_collecting_trim_runs_in_parts_with_the_loop_turning_between(monkeypatch):
+    """After a big release the collecting trim's parts (histories, collection, heap)
+    each run in their own loop callback: a peer's message that came in meanwhile waits
+    for one part, not for all of them and the release's stimulus."""
+    order = []
+    monkeypatch.setattr(scheduler_server.HeapTrimmer, "step", _recording_step(order))
+
+    async def main():
+        async with Scheduler(validate=True) as s:
+            s.heap_trimmer.collect_after = 2
+            w, c = await _worker(s), await _client(s)
+            c.send({"op": "update-graph", "tasks": [{"key": k, "spec": b"S"} for k in "ab"],
+                    "keys": ["a", "b"]})
+            await _read_op(w, "compute-task")
+            c.send({"op": "release-keys", "keys": ["a", "b"]})
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while order.count("step") < 3:
+                assert loop.time() < deadline, order
+                order.append("turn")
+                await asyncio.sleep(0.001)
+            assert order.count("step") == 3 and s.heap_trimmer.trims >= 1
+            # between two parts the loop turned: other callbacks ran
+            first, last = order.index("step"), len(order) - order[::-1].index("step") - 1
+            assert "turn" in order[first:last]
+
+    run(main())
+
+
+def _recording_step(order):
+    real = scheduler_server.HeapTrimmer.step
+
+    def step(self):
+        order.append("step")
+        return real(self)
+    return step
+
+
 def test_releasing_keys_frees_them_on_the_worker_and_the_scheduler():
     async def main():
         async with Scheduler(validate=True) as s:
