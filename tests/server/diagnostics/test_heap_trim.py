@@ -47,16 +47,22 @@ def test_trims_are_timed(monkeypatch):
     assert trimmer.trims == 1 and 0.02 <= trimmer.longest == trimmer.seconds < 1.0
 
 
+def _recording_trimmer(monkeypatch, calls: list) -> HeapTrimmer:
+    """A trimmer whose hooks, collections and trims append to ``calls``: "pack"
+    (before every trim), "squeeze" (before a collection), "collect", "trim"."""
+    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
+    return HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
+                       before_collect=lambda: calls.append("squeeze"),
+                       collect_below=1_024, collect_after=100_000)
+
+
 def test_before_a_trim_the_hook_runs_and_with_few_tasks_left_a_full_collection(monkeypatch):
     """The task stream packs before every trim; the free lists are emptied (a full
     collection) only once few tasks are left, when a collection walks little; only
     then, just before it, the task stream squeezes its chunks."""
     calls = []
-    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
-    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
-    trimmer = HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
-                          before_collect=lambda: calls.append("squeeze"),
-                          collect_below=1_024, collect_after=100_000)
+    trimmer = _recording_trimmer(monkeypatch, calls)
     for n in (1_000_000, 900_000):
         trimmer.held(n)
     assert calls == ["pack", "trim"]
@@ -217,11 +223,7 @@ def test_a_collecting_trim_in_steps_does_one_part_a_step(monkeypatch):
     the collection, then the pools and the heap; nothing else trims meanwhile, and the
     settling trims follow as after a trim in one go."""
     calls = []
-    monkeypatch.setattr(heap_trim, "trim_heap", lambda: calls.append("trim") or True)
-    monkeypatch.setattr(heap_trim.gc, "collect", lambda *a: calls.append("collect") or 0)
-    trimmer = HeapTrimmer(after=50_000, before_trim=lambda: calls.append("pack"),
-                          before_collect=lambda: calls.append("squeeze"),
-                          collect_below=1_024, collect_after=100_000)
+    trimmer = _recording_trimmer(monkeypatch, calls)
     trimmer.held(1_000_000, in_steps=True)
     assert trimmer.held(0, in_steps=True) and trimmer.steps_owed and calls == []
     assert trimmer.trims == 1
